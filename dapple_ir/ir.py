@@ -1,0 +1,429 @@
+"""The pipeline IR: a module of parameters, SSA ops, layers, stages and per-rank programs.
+
+Every class here is a slotted dataclass. Values compare by identity (an `Op` *is* the SSA value it
+defines); names are hints that the printer makes unique. Semantic data lives in typed attribute
+records (`OpAttrs`, `StageAttrs`, ...); the printer and the parser read their field lists, so adding
+a field to one of them extends the text form with no other change.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+
+# ----------------------------------------------------------------------------------------- types
+
+#: Bytes per element of each dtype the IR knows, keyed by its short text name.
+DTYPE_BYTES: dict[str, int] = {
+    "f64": 8,
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "i64": 8,
+    "i32": 4,
+    "i16": 2,
+    "i8": 1,
+    "u8": 1,
+    "bool": 1,
+    "c64": 8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """A dense tensor: element type and static shape (`f32[4,1024,1600]`, `f32[]` for a scalar)."""
+
+    dtype: str
+    """Short element-type name, a key of `DTYPE_BYTES`."""
+    shape: tuple[int, ...]
+    """Static extents, outermost first; the batch dimension, where there is one, is dimension 0."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class TupleType:
+    """A tuple of values, as returned by e.g. `nn.LSTM` or `torch.split`."""
+
+    elements: tuple[Type, ...]
+    """The element types, in order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.elements)
+
+
+@dataclass(frozen=True, slots=True)
+class OpaqueType:
+    """A non-tensor value (a Python int from `size()`, None) or a tensor of unknown shape."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+Type = TensorType | TupleType | OpaqueType
+
+# ------------------------------------------------------------------------------------ attributes
+
+
+class AttrRecord:
+    """Base of the typed attribute records: all fields optional, printed in declaration order."""
+
+    __slots__ = ()
+
+    def items(self) -> Iterator[tuple[str, object]]:
+        """The set (non-None) attributes, in declaration order."""
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                yield f.name, value
+
+
+@dataclass(slots=True)
+class ModuleAttrs(AttrRecord):
+    """Module-wide facts: batch sizes the shapes and costs describe, the plan's global choices."""
+
+    batch: int | None = None
+    """Batch size that the op result types were captured at (dimension 0 of the inputs)."""
+    cost_batch: int | None = None
+    """Batch size that the op costs (times, activation bytes) describe; set by `annotate-cost`."""
+    global_batch: int | None = None
+    """Samples per optimizer step, over all data-parallel replicas."""
+    microbatches: int | None = None
+    """Microbatches per optimizer step (M), over the whole pipeline."""
+    microbatch_size: int | None = None
+    """Samples per microbatch (b); global_batch = microbatches * microbatch_size."""
+    schedule: str | None = None
+    """Name of the schedule the programs follow (`gpipe`, `1f1b`, `interleaved`, `zb-h1`, ...)."""
+    cluster: str | None = None
+    """Cluster shorthand (`2x8xV100-16GB`) or path of a cluster TOML file."""
+    optimizer: str | None = None
+    """Optimizer the memory model assumes (`sgd`, `adam`, `adamw`)."""
+    source: str | None = None
+    """Where the module came from: a model spec or `profile:path`."""
+    capture_method: str | None = None
+    """`fx`, `export` or `profile`."""
+    predicted_iteration_s: float | None = None
+    """Iteration time the planner's simulation predicts for this plan."""
+
+
+@dataclass(slots=True)
+class ParamAttrs(AttrRecord):
+    """Facts about one parameter or buffer."""
+
+    buffer: bool | None = None
+    """True for a buffer (running statistics): no gradient, no optimizer state."""
+    shared: bool | None = None
+    """True when ops in different parts of the model read it (tied embedding and LM head)."""
+
+
+@dataclass(slots=True)
+class OpAttrs(AttrRecord):
+    """Typed attributes of an op: where it came from and what it costs."""
+
+    module_path: str | None = None
+    """Innermost `nn.Module` the op was traced inside (`blocks.3.mlp.0`)."""
+    index: int | None = None
+    """Position of an `input` among the model's inputs, or of a tuple element for `getitem`."""
+    label: str | None = None
+    """Human description of an imported profile node (`Conv2d(64, 64, ...)`)."""
+    fwd_flops: float | None = None
+    """Forward floating-point operations at `batch`."""
+    bwd_flops: float | None = None
+    """Backward floating-point operations at `batch`."""
+    mem_bytes: float | None = None
+    """Bytes the forward reads and writes at `batch` (roofline memory term)."""
+    fwd_s: float | None = None
+    """Forward time in seconds for a microbatch of `cost_batch` samples."""
+    bwd_s: float | None = None
+    """Backward time in seconds for a microbatch of `cost_batch` samples."""
+    act_bytes: float | None = None
+    """Bytes kept alive for the backward pass, for `cost_batch` samples."""
+    out_bytes: float | None = None
+    """Bytes of the result for `cost_batch` samples, where the result type does not tell."""
+    param_bytes: float | None = None
+    """Parameter bytes of an op whose parameters are not listed (imported profiles)."""
+    params: tuple[str, ...] | None = None
+    """Names of the parameters and buffers the op reads."""
+    loc: str | None = None
+    """Source location `file:line` of the Python code that created the op (not semantic)."""
+
+
+@dataclass(slots=True)
+class LayerAttrs(AttrRecord):
+    """Summed costs of a coarsened layer, at the module's `cost_batch`."""
+
+    fwd_s: float | None = None
+    """Forward time of the layer's ops."""
+    bwd_s: float | None = None
+    """Backward time of the layer's ops."""
+    param_bytes: float | None = None
+    """Bytes of parameters the layer owns."""
+    act_bytes: float | None = None
+    """Activation bytes the layer keeps for backward."""
+    cut_bytes: float | None = None
+    """Bytes of all values that cross the cut after this layer (0 for the last layer)."""
+
+
+@dataclass(slots=True)
+class StageAttrs(AttrRecord):
+    """Placement of a stage."""
+
+    replicas: int | None = None
+    """Data-parallel copies of the stage; replica j runs microbatches m with m % replicas == j."""
+    devices: tuple[int, ...] | None = None
+    """Device id of each replica, in replica order."""
+
+
+@dataclass(slots=True)
+class ProgramAttrs(AttrRecord):
+    """Which rank a program runs on and what it holds."""
+
+    rank: int | None = None
+    """Process rank that runs the program."""
+    device: int | None = None
+    """Global device id the rank runs on."""
+    replica: int | None = None
+    """Replica index of the stages this rank hosts."""
+    stages: tuple[str, ...] | None = None
+    """Names of the stages this rank hosts (several for interleaved schedules)."""
+    peak_bytes: float | None = None
+    """Static peak memory of the rank, set by `insert-frees`."""
+
+
+# ---------------------------------------------------------------------------------------- graph
+
+
+class OpKind(enum.Enum):
+    """The closed set of op kinds."""
+
+    INPUT = "input"
+    """A model input (or loss target), split into microbatches along dimension 0."""
+    GET_ATTR = "get_attr"
+    """Reads a parameter or buffer as a value."""
+    CALL_MODULE = "call_module"
+    """Calls a leaf `nn.Module` (target: its path)."""
+    CALL_FUNCTION = "call_function"
+    """Calls a free function (target: its qualified name)."""
+    CALL_METHOD = "call_method"
+    """Calls a tensor method (target: the method name)."""
+    LAYER = "layer"
+    """An opaque layer of an imported profile: costs only, not executable."""
+    OUTPUT = "output"
+    """The module's result: the scalar loss."""
+
+
+@dataclass(eq=False, slots=True)
+class Param:
+    """A parameter or buffer of the model."""
+
+    name: str
+    """Dotted path in the original model (`blocks.0.mlp.0.weight`)."""
+    type: TensorType
+    """Shape and element type."""
+    attrs: ParamAttrs = field(default_factory=ParamAttrs)
+    """Typed attributes."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.type.nbytes
+
+
+@dataclass(eq=False, slots=True)
+class Op:
+    """One operation in SSA form; the op is also the value it defines."""
+
+    name: str
+    """Name hint for the result (the printer makes names unique)."""
+    kind: OpKind
+    """What the op does."""
+    operands: list[Op]
+    """Values the op reads, in order."""
+    type: Type
+    """Type of the result."""
+    target: str | None = None
+    """Callee: module path (call_module), qualified function (call_function), method name
+    (call_method), parameter (get_attr), profile node id (layer)."""
+    attrs: OpAttrs = field(default_factory=OpAttrs)
+    """Typed attributes."""
+
+    @property
+    def out_bytes(self) -> float:
+        """Bytes of the result at the module's batch (the attribute wins where set)."""
+        if self.attrs.out_bytes is not None:
+            return self.attrs.out_bytes
+        return float(self.type.nbytes)
+
+    def __repr__(self) -> str:
+        return f"Op(%{self.name} = {self.kind.value})"
+
+
+@dataclass(eq=False, slots=True)
+class Layer:
+    """A group of consecutive ops the planner treats as one unit (made by `coarsen`)."""
+
+    name: str
+    """Name (`L0`)."""
+    ops: list[Op]
+    """Member ops, in module order."""
+    attrs: LayerAttrs = field(default_factory=LayerAttrs)
+    """Summed costs and the bytes crossing the cut after it."""
+
+
+@dataclass(eq=False, slots=True)
+class Stage:
+    """A pipeline stage: a set of ops, replicated over devices."""
+
+    name: str
+    """Name (`s0`); stages run in list order along the pipeline."""
+    ops: list[Op]
+    """Member ops, in module order."""
+    attrs: StageAttrs = field(default_factory=StageAttrs)
+    """Replication and placement."""
+
+    @property
+    def replicas(self) -> int:
+        return self.attrs.replicas or 1
+
+
+# ---------------------------------------------------------------------------------- programs
+
+
+class InstrKind(enum.Enum):
+    """The closed set of rank-program instructions."""
+
+    LOAD_MICROBATCH = "load_microbatch"
+    """Load the inputs (first stage) or targets (last stage) of microbatch `mb`."""
+    FORWARD = "forward"
+    """Run `stage` forward on microbatch `mb`."""
+    BACKWARD = "backward"
+    """Run `stage` backward (input and weight gradients) on microbatch `mb`."""
+    BACKWARD_INPUT = "backward_input"
+    """Zero-bubble: gradient with respect to the stage's inputs only."""
+    BACKWARD_WEIGHT = "backward_weight"
+    """Zero-bubble: gradient with respect to the stage's parameters, deferred."""
+    SEND = "send"
+    """Send `value` (or its gradient when `grad`) of microbatch `mb` to rank `peer`."""
+    RECV = "recv"
+    """Receive `value` (or its gradient when `grad`) of microbatch `mb` from rank `peer`."""
+    FREE = "free"
+    """Release `value` (or its gradient), or the saved activations of `stage`, for microbatch `mb`."""
+    ALLREDUCE = "allreduce"
+    """Sum the gradients of `stage` (or of the tied parameter `param`) over ranks `group`."""
+    OPTIMIZER_STEP = "optimizer_step"
+    """Apply the optimizer to this rank's parameters and clear their gradients."""
+
+
+@dataclass(eq=False, slots=True)
+class Instr:
+    """One instruction of a rank program; which fields are set depends on `kind`."""
+
+    kind: InstrKind
+    """What the instruction does."""
+    stage: Stage | None = None
+    """Stage computed, freed or reduced."""
+    value: Op | None = None
+    """Value sent, received or freed."""
+    grad: bool = False
+    """The instruction moves or frees the gradient of `value`, not `value` itself."""
+    mb: int | None = None
+    """Microbatch index, 0-based over the whole step."""
+    peer: int | None = None
+    """Rank at the other end of a send or recv."""
+    group: tuple[int, ...] | None = None
+    """Ranks taking part in an allreduce."""
+    param: str | None = None
+    """Tied parameter whose gradient an allreduce sums across stages."""
+
+
+@dataclass(eq=False, slots=True)
+class RankProgram:
+    """What one rank computes, sends, receives, frees, reduces and steps, in order."""
+
+    name: str
+    """Name (`rank0`)."""
+    instrs: list[Instr]
+    """Instructions in execution order."""
+    attrs: ProgramAttrs = field(default_factory=ProgramAttrs)
+    """Rank, device, replica, hosted stages, peak memory."""
+
+    @property
+    def rank(self) -> int:
+        return self.attrs.rank if self.attrs.rank is not None else -1
+
+
+# ------------------------------------------------------------------------------------- module
+
+
+@dataclass(eq=False, slots=True)
+class Module:
+    """A whole model and, once planned and lowered, its plan."""
+
+    name: str
+    """Model name."""
+    params: list[Param] = field(default_factory=list)
+    """Parameters and buffers, in model order."""
+    ops: list[Op] = field(default_factory=list)
+    """Ops in a topological (definition) order."""
+    layers: list[Layer] = field(default_factory=list)
+    """Coarsened layers, in pipeline order (empty before `coarsen`)."""
+    stages: list[Stage] = field(default_factory=list)
+    """Pipeline stages, in pipeline order (empty before `plan`)."""
+    programs: list[RankProgram] = field(default_factory=list)
+    """Per-rank programs, in rank order (empty before `schedule`)."""
+    attrs: ModuleAttrs = field(default_factory=ModuleAttrs)
+    """Module-wide attributes."""
+
+    # Queries are computed on demand: the IR holds no derived state that a pass could leave stale.
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def users(self) -> dict[Op, list[Op]]:
+        """Map from each op to the ops that read it, in module order."""
+        result: dict[Op, list[Op]] = {op: [] for op in self.ops}
+        for op in self.ops:
+            for operand in op.operands:
+                result.setdefault(operand, []).append(op)
+        return result
+
+    def stage_of(self) -> dict[Op, Stage]:
+        """Map from each op to the stage that holds it."""
+        return {op: stage for stage in self.stages for op in stage.ops}
+
+    def inputs(self) -> list[Op]:
+        return [op for op in self.ops if op.kind is OpKind.INPUT]
+
+    def param_bytes_of(self, ops: list[Op]) -> float:
+        """Bytes of the trainable parameters (and profile `param_bytes`) that `ops` read."""
+        table = {p.name: p for p in self.params}
+        seen: set[str] = set()
+        total = 0.0
+        for op in ops:
+            total += op.attrs.param_bytes or 0.0
+            for name in op.attrs.params or ():
+                if name in seen:
+                    continue
+                seen.add(name)
+                p = table[name]
+                if not p.attrs.buffer:
+                    total += p.nbytes
+        return total

@@ -1,0 +1,46 @@
+"""The memory model that planning, `insert-frees` and the verifier share.
+
+Costs in the IR describe `cost_batch` samples; a microbatch of b samples scales activation bytes and
+compute times linearly by b / cost_batch (DAPPLE's planner does the same).
+"""
+
+from __future__ import annotations
+
+from dapple_ir.errors import DappleError
+from dapple_ir.ir import Module, Op
+
+#: Bytes of optimizer state per byte of parameter.
+OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+
+def optimizer_state_factor(optimizer: str | None) -> float:
+    name = (optimizer or "adam").lower()
+    if name not in OPTIMIZER_STATE:
+        raise DappleError(f"unknown optimizer '{optimizer}'; known: {', '.join(OPTIMIZER_STATE)}")
+    return OPTIMIZER_STATE[name]
+
+
+def static_bytes(module: Module, ops: list[Op]) -> float:
+    """Parameters, their gradients and optimizer state for the parameters `ops` read."""
+    param_bytes = module.param_bytes_of(ops)
+    buffers = _buffer_bytes(module, ops)
+    return param_bytes * (2.0 + optimizer_state_factor(module.attrs.optimizer)) + buffers
+
+
+def _buffer_bytes(module: Module, ops: list[Op]) -> float:
+    names = {n for op in ops for n in (op.attrs.params or ())}
+    return float(sum(p.nbytes for p in module.params if p.name in names and p.attrs.buffer))
+
+
+def batch_scale(module: Module) -> float:
+    """Factor from the module's cost batch to its microbatch size (1 when either is unset)."""
+    b = module.attrs.microbatch_size
+    c = module.attrs.cost_batch or module.attrs.batch
+    if not b or not c:
+        return 1.0
+    return b / c
+
+
+def activation_bytes(module: Module, ops: list[Op]) -> float:
+    """Bytes `ops` keep for backward for one microbatch."""
+    return batch_scale(module) * sum(op.attrs.act_bytes or 0.0 for op in ops)

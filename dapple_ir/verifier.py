@@ -1,0 +1,200 @@
+"""Structural verifier of the IR, separate from the parser.
+
+Checks SSA (one definition, defined before use), operand types where the op kind fixes them,
+references to parameters, layer and stage membership, and that rank programs refer to existing
+stages, values, ranks and microbatches. Errors name the culprit and reprint the IR around it.
+Deadlock freedom and memory fit are whole-plan properties checked by the `verify` pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dapple_ir.errors import VerifyError
+from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, TupleType
+from dapple_ir.printer import Namer, print_module
+
+_CONTEXT_LINES = 3
+
+
+def verify_module(module: Module) -> None:
+    """Raise `VerifyError` at the first broken invariant."""
+    _Verifier(module).run()
+
+
+def neighbourhood(module: Module, line_matches: Callable[[int, str], bool]) -> str:
+    """The printed module's lines around the first line `line_matches(index, text)`, marked `>`."""
+    lines = print_module(module).splitlines()
+    hit = next((i for i, text in enumerate(lines) if line_matches(i, text)), None)
+    if hit is None:
+        return ""
+    lo, hi = max(hit - _CONTEXT_LINES, 0), min(hit + _CONTEXT_LINES + 1, len(lines))
+    return "\n".join(("> " if i == hit else "  ") + lines[i] for i in range(lo, hi))
+
+
+class _Verifier:
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.namer = Namer(module.ops)
+        self.op_set = set(module.ops)
+        self.stage_set = set(module.stages)
+        self.param_names = {p.name for p in module.params}
+
+    def op_error(self, op: Op, message: str) -> VerifyError:
+        name = self.namer(op)
+        where = neighbourhood(self.module, lambda _i, text: text.strip().startswith(f"{name} ="))
+        return VerifyError(f"verify: op {name}: {message}\n{where}")
+
+    def instr_error(self, program: RankProgram, index: int, message: str) -> VerifyError:
+        header = f"program @{program.name}"
+        state = {"start": -1}
+
+        def match(i: int, text: str) -> bool:
+            if text.strip().startswith(header):
+                state["start"] = i
+            return state["start"] >= 0 and i == state["start"] + 1 + index
+
+        where = neighbourhood(self.module, match)
+        return VerifyError(f"verify: {program.name}, instruction {index}: {message}\n{where}")
+
+    def run(self) -> None:
+        self.check_params()
+        self.check_ops()
+        self.check_groups("layer", self.module.layers, require_all=bool(self.module.layers))
+        self.check_groups("stage", self.module.stages, require_all=bool(self.module.stages))
+        self.check_stages()
+        self.check_programs()
+
+    def check_params(self) -> None:
+        seen: set[str] = set()
+        for p in self.module.params:
+            if p.name in seen:
+                raise VerifyError(f"verify: parameter @{p.name} is declared twice")
+            seen.add(p.name)
+
+    def check_ops(self) -> None:
+        params = {p.name for p in self.module.params}
+        defined: set[Op] = set()
+        in_module = set(self.module.ops)
+        for op in self.module.ops:
+            if op in defined:
+                raise self.op_error(op, "is defined twice (SSA values have one definition)")
+            for operand in op.operands:
+                if operand not in in_module:
+                    raise self.op_error(op, f"reads %{operand.name}, which is not an op of this module")
+                if operand not in defined:
+                    raise self.op_error(op, f"reads {self.namer(operand)} before its definition")
+            defined.add(op)
+            for name in op.attrs.params or ():
+                if name not in params:
+                    raise self.op_error(op, f"reads parameter @{name}, which is not declared")
+            self.check_op_types(op, params)
+
+    def check_op_types(self, op: Op, params: set[str]) -> None:
+        if op.kind is OpKind.INPUT and op.operands:
+            raise self.op_error(op, "an input takes no operands")
+        calls = (OpKind.CALL_MODULE, OpKind.CALL_FUNCTION, OpKind.CALL_METHOD, OpKind.GET_ATTR)
+        if op.kind in calls and op.target is None:
+            raise self.op_error(op, f"{op.kind.value} needs a target (@callee)")
+        if op.kind is OpKind.GET_ATTR and op.target not in params:
+            raise self.op_error(op, f"get_attr reads @{op.target}, which is not a declared parameter")
+        if op.kind is OpKind.OUTPUT:
+            if len(op.operands) != 1:
+                raise self.op_error(op, f"output takes exactly one operand, not {len(op.operands)}")
+            if op.type != op.operands[0].type:
+                raise self.op_error(op, "output type differs from its operand's type")
+        if op.target in ("operator.getitem", "getitem") and op.operands:
+            self.check_getitem(op)
+
+    def check_getitem(self, op: Op) -> None:
+        source = op.operands[0].type
+        index = op.attrs.index
+        if not isinstance(source, TupleType) or index is None:
+            return
+        if not 0 <= index < len(source.elements):
+            raise self.op_error(op, f"getitem index {index} is out of range for a {len(source.elements)}-tuple")
+        if op.type != source.elements[index]:
+            raise self.op_error(op, "getitem result type differs from the tuple element it reads")
+
+    def check_groups(self, kind: str, groups: list, require_all: bool) -> None:  # type: ignore[type-arg]
+        owner: dict[Op, str] = {}
+        in_module = set(self.module.ops)
+        names: set[str] = set()
+        for group in groups:
+            if group.name in names:
+                raise VerifyError(f"verify: {kind} @{group.name} is declared twice")
+            names.add(group.name)
+            for op in group.ops:
+                if op not in in_module:
+                    raise VerifyError(f"verify: {kind} @{group.name} holds %{op.name}, not an op of this module")
+                if op in owner:
+                    raise self.op_error(op, f"is in both {kind} @{owner[op]} and {kind} @{group.name}")
+                owner[op] = group.name
+        if not require_all:
+            return
+        for op in self.module.ops:
+            if op not in owner:
+                raise self.op_error(op, f"is in no {kind} (every op belongs to exactly one {kind})")
+
+    def check_stages(self) -> None:
+        for stage in self.module.stages:
+            devices = stage.attrs.devices
+            if stage.replicas < 1:
+                raise VerifyError(f"verify: stage @{stage.name} has {stage.replicas} replicas; at least 1")
+            if devices is not None and len(devices) != stage.replicas:
+                raise VerifyError(
+                    f"verify: stage @{stage.name} has {stage.replicas} replicas but "
+                    f"{len(devices)} devices {list(devices)}; give one device per replica"
+                )
+
+    def check_programs(self) -> None:
+        n = len(self.module.programs)
+        for index, program in enumerate(self.module.programs):
+            if program.attrs.rank is not None and program.attrs.rank != index:
+                raise VerifyError(
+                    f"verify: program @{program.name} says rank = {program.attrs.rank} but is "
+                    f"program number {index}; programs are listed in rank order"
+                )
+            for stage_name in program.attrs.stages or ():
+                if stage_name not in {s.name for s in self.stage_set}:
+                    raise VerifyError(
+                        f"verify: program @{program.name} hosts stage @{stage_name}, which is not declared"
+                    )
+            for i, instr in enumerate(program.instrs):
+                problem = self.instr_problem(instr, index, n)
+                if problem:
+                    raise self.instr_error(program, i, problem)
+
+    def instr_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
+        kind = instr.kind
+        microbatches = self.module.attrs.microbatches
+        if instr.stage is not None and instr.stage not in self.stage_set:
+            return f"refers to stage @{instr.stage.name}, which is not a stage of this module"
+        if instr.value is not None and instr.value not in self.op_set:
+            return f"refers to %{instr.value.name}, which is not an op of this module"
+        if instr.mb is not None and (instr.mb < 0 or (microbatches is not None and instr.mb >= microbatches)):
+            return f"microbatch {instr.mb} is out of range 0..{(microbatches or 1) - 1}"
+        if kind in (InstrKind.SEND, InstrKind.RECV):
+            if instr.value is None or instr.peer is None or instr.mb is None:
+                return f"{kind.value} needs a value, a microbatch and a peer rank"
+            if not 0 <= instr.peer < n_ranks or instr.peer == rank:
+                return f"peer rank {instr.peer} is not another rank of 0..{n_ranks - 1}"
+        compute = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
+        if kind in compute and (instr.stage is None or instr.mb is None):
+            return f"{kind.value} needs a stage and a microbatch"
+        if kind is InstrKind.FREE and (instr.mb is None or (instr.stage is None) == (instr.value is None)):
+            return "free needs a microbatch and exactly one of a stage or a value"
+        if kind is InstrKind.ALLREDUCE:
+            return self.allreduce_problem(instr, rank, n_ranks)
+        return None
+
+    def allreduce_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
+        if instr.group is None or (instr.stage is None) == (instr.param is None):
+            return "allreduce needs a group and exactly one of a stage or a param"
+        if rank not in instr.group:
+            return f"allreduce group {list(instr.group)} does not include this rank ({rank})"
+        if any(not 0 <= r < n_ranks for r in instr.group):
+            return f"allreduce group {list(instr.group)} names a rank outside 0..{n_ranks - 1}"
+        if instr.param is not None and instr.param not in self.param_names:
+            return f"allreduce of parameter @{instr.param}, which is not declared"
+        return None
