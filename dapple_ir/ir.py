@@ -142,6 +142,8 @@ class OpAttrs(AttrRecord):
     """Backward floating-point operations at `batch`."""
     mem_bytes: float | None = None
     """Bytes the forward reads and writes at `batch` (roofline memory term)."""
+    op_class: str | None = None
+    """Efficiency class of the op for the roofline (`matmul`, `conv`, `attention`, `elementwise`)."""
     fwd_s: float | None = None
     """Forward time in seconds for a microbatch of `cost_batch` samples."""
     bwd_s: float | None = None

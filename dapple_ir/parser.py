@@ -90,7 +90,7 @@ def _parse(text: str, start: str, filename: str) -> Tree:
 
 def _syntax_message(exc: UnexpectedInput, text: str, filename: str) -> str:
     line, column = int(exc.line), int(exc.column)
-    if isinstance(exc, UnexpectedEOF):
+    if isinstance(exc, UnexpectedEOF) or (isinstance(exc, UnexpectedToken) and exc.token.type == "$END"):
         line = text.count("\n") + 1
         column = len(text.rsplit("\n", 1)[-1]) + 1
         what = "the text ends too early"
@@ -101,7 +101,7 @@ def _syntax_message(exc: UnexpectedInput, text: str, filename: str) -> str:
     else:
         what = "syntax error"
     names = getattr(exc, "expected", None) or getattr(exc, "allowed", None) or ()
-    expected = sorted({_TOKEN_WORDS.get(n, n) for n in names})
+    expected = sorted({_TOKEN_WORDS.get(n, f"'{n.lower()}'" if n.isalpha() else n) for n in names})
     hint = f"; expected one of: {', '.join(expected)}" if expected else ""
     return f"{filename}:{line}:{column}: {what}{hint}\n" + _excerpt(text, line, column)
 
@@ -264,7 +264,7 @@ class _ModuleBuilder:
             elif part.data == "mb":
                 instr.mb = int(toks[0])
             elif part.data in ("to_peer", "from_peer"):
-                self.check_peer_word(instr.kind, str(part.data)[:-5], toks[0])
+                self.check_peer_word(instr.kind, str(part.data)[:-5], kind_tok)
                 instr.peer = int(toks[0])
             elif part.data == "group":
                 instr.group = tuple(int(str(t)) for t in part.children[0].children)  # type: ignore[union-attr]

@@ -58,7 +58,7 @@ class Pass:
     @classmethod
     def from_options(cls, options: dict[str, str]) -> Pass:
         """Build the pass from option strings (`{"max-layers": "64"}`), converting by field type."""
-        by_option = {f.name.replace("_", "-"): f for f in cls.options()}
+        by_option = {option_name(f.name): f for f in cls.options()}
         kwargs: dict[str, object] = {}
         for key, raw in options.items():
             if key not in by_option:
@@ -78,8 +78,13 @@ class Pass:
             text = str(value).lower() if isinstance(value, bool) else str(value)
             if not re.fullmatch(r'[^,{}\s"=]+', text):
                 text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            parts.append(f"{f.name.replace('_', '-')}={text}")
+            parts.append(f"{option_name(f.name)}={text}")
         return self.name + ("{" + ",".join(parts) + "}" if parts else "")
+
+
+def option_name(field_name: str) -> str:
+    """The option a field is spelled as: kebab-case, a trailing `_` dropped (`from_` is `from`)."""
+    return field_name.rstrip("_").replace("_", "-")
 
 
 def _field_kind(cls: type, name: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from dapple_ir.registry import all_passes, load_plugin
+from dapple_ir.registry import all_passes, load_plugin, option_name
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,7 +29,7 @@ def describe_passes() -> str:
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             default = "" if f.default is dataclasses.MISSING else f" (default: {f.default})"
             doc = f"  {f.metadata['doc']}" if "doc" in f.metadata else ""
-            lines.append(f"    {f.name.replace('_', '-')}: {kind}{default}{doc}")
+            lines.append(f"    {option_name(f.name)}: {kind}{default}{doc}")
     return "\n".join(lines)
 
 
