@@ -320,7 +320,9 @@ class InstrKind(enum.Enum):
     FREE = "free"
     """Release `value` (or its gradient), or the saved activations of `stage`, for microbatch `mb`."""
     ALLREDUCE = "allreduce"
-    """Sum the gradients of `stage` (or of the tied parameter `param`) over ranks `group`."""
+    """Sum the gradients of `stage` (or of the tied parameter `param`) over ranks `group`. A stage's
+    allreduce leaves out parameters that another stage also reads (tied): each of those is summed once,
+    by its own `allreduce param @p` over every rank holding it."""
     OPTIMIZER_STEP = "optimizer_step"
     """Apply the optimizer to this rank's parameters and clear their gradients."""
 

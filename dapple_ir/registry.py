@@ -117,7 +117,8 @@ def register_pass(cls: P) -> P:
     """Class decorator that makes a pass available by its `name`."""
     if not _KEBAB.match(cls.name):
         raise PassOptionError(f"pass class {cls.__qualname__} needs a kebab-case `name`, not {cls.name!r}")
-    params = getattr(cls, "__dataclass_params__", None)
+    # Look in the class itself: a plain subclass inherits its base's dataclass parameters.
+    params = cls.__dict__.get("__dataclass_params__")
     if params is None or not params.frozen:
         raise PassOptionError(f"pass '{cls.name}' ({cls.__qualname__}) must be a frozen dataclass")
     _REGISTRY[cls.name] = cls

@@ -1,10 +1,16 @@
-"""The `verify` pass: the structural verifier as an explicit pipeline step."""
+"""The `verify` pass: the structural verifier, then the whole-plan checks once rank programs exist.
+
+Plan checks: every forward has its backward on the right rank, the programs cannot deadlock, every kept
+tensor is freed exactly once, and (when a cluster is known: the module's `cluster` attribute or the
+context's) every rank's static peak memory fits its device.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dapple_ir.ir import Module
+from dapple_ir.plan_checks import run_plan_checks
 from dapple_ir.registry import Pass, PassContext, register_pass
 from dapple_ir.verifier import verify_module
 
@@ -12,9 +18,10 @@ from dapple_ir.verifier import verify_module
 @register_pass
 @dataclass(frozen=True)
 class Verify(Pass):
-    """Check the IR's invariants (SSA, types, stages, programs) and stop at the first broken one."""
+    """Check the IR's invariants (SSA, types, stages; program deadlock, frees, memory) and stop at the first broken."""
 
     name = "verify"
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         verify_module(module)
+        run_plan_checks(module, module.attrs.cluster or ctx.cluster)

@@ -1,0 +1,265 @@
+"""Whole-plan checks of rank programs: work complete, no deadlock, frees exact, memory fits.
+
+`find_deadlock` runs the programs against each other: a send posts its message and moves on, a recv
+waits for the matching send (same value, gradient flag, microbatch and pair of ranks), an allreduce
+waits until every rank of its group reaches the same allreduce. When no rank can move, it follows
+who waits for whom and reports the cycle.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+
+from dapple_ir.cluster import ClusterSpec, resolve_cluster
+from dapple_ir.errors import VerifyError
+from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.peak_memory import program_peak
+from dapple_ir.printer import Namer, format_instr
+
+_COMPUTE = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
+
+
+def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) -> None:
+    """Every check that applies to the programs as they are (frees and memory only once frees exist)."""
+    if not module.programs:
+        return
+    check_compute_order(module)
+    instrs = [i for p in module.programs for i in p.instrs]
+    if any(i.kind in (InstrKind.SEND, InstrKind.RECV, InstrKind.ALLREDUCE) for i in instrs):
+        problem = find_deadlock(module.programs, module)
+        if problem:
+            raise VerifyError(f"verify: the programs deadlock: {problem}")
+    if not any(i.kind is InstrKind.FREE for i in instrs):
+        return
+    check_frees(module)
+    if cluster:
+        check_memory(module, cluster)
+
+
+def _where(module: Module | None, program: RankProgram, index: int) -> str:
+    namer = Namer(module.ops if module else [])
+    return f"rank {program.rank} instruction {index} `{format_instr(program.instrs[index], namer)}`"
+
+
+# ------------------------------------------------------------------------------ work is complete
+
+
+def check_compute_order(module: Module) -> None:
+    """Each stage runs each microbatch's forward once, on the replica that owns it, then its backward once."""
+    m = module.attrs.microbatches or 0
+    owner = {
+        (name, p.attrs.replica or 0): index for index, p in enumerate(module.programs) for name in p.attrs.stages or ()
+    }
+    done: dict[tuple[Stage, int], list[InstrKind]] = {}
+    for index, program in enumerate(module.programs):
+        for i, instr in enumerate(program.instrs):
+            if instr.kind not in _COMPUTE or instr.stage is None or instr.mb is None:
+                continue
+            stage, mb = instr.stage, instr.mb
+            expected = owner.get((stage.name, mb % stage.replicas))
+            if expected != index:
+                raise VerifyError(
+                    f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
+                    f"{mb % stage.replicas}, which is rank {expected}"
+                )
+            problem = _order_problem(done.setdefault((stage, mb), []), instr.kind)
+            if problem:
+                raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
+            done[(stage, mb)].append(instr.kind)
+    for stage in module.stages:
+        for mb in range(m):
+            kinds = done.get((stage, mb), [])
+            if kinds not in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT):
+                got = ", ".join(k.value for k in kinds) or "nothing"
+                raise VerifyError(
+                    f"verify: @{stage.name} mb={mb} runs {got}; every forward needs exactly one backward "
+                    "(or one backward_input and one backward_weight)"
+                )
+
+
+_SPLIT = [InstrKind.FORWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT]
+
+
+_BEFORE: dict[InstrKind, list[InstrKind]] = {
+    InstrKind.FORWARD: [],
+    InstrKind.BACKWARD: [InstrKind.FORWARD],
+    InstrKind.BACKWARD_INPUT: [InstrKind.FORWARD],
+    InstrKind.BACKWARD_WEIGHT: [InstrKind.FORWARD, InstrKind.BACKWARD_INPUT],
+}
+"""What must already have run for a stage and microbatch before each kind of compute."""
+
+
+def _order_problem(before: list[InstrKind], kind: InstrKind) -> str | None:
+    allowed = _BEFORE[kind]
+    if before == allowed:
+        return None
+    if kind in before:
+        return f"{kind.value} of this stage and microbatch runs twice"
+    return f"{kind.value} needs {' then '.join(k.value for k in allowed)} first (so far: {before or 'nothing'})"
+
+
+# ---------------------------------------------------------------------------------------- deadlock
+
+
+def _message_key(instr: Instr, rank: int) -> tuple[object, ...]:
+    src, dst = (rank, instr.peer) if instr.kind is InstrKind.SEND else (instr.peer, rank)
+    return (src, dst, instr.value, instr.grad, instr.mb)
+
+
+def _collective_key(instr: Instr, occurrence: int) -> tuple[object, ...]:
+    return (instr.stage, instr.param, instr.group, occurrence)
+
+
+def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> str | None:
+    """None when all programs run to the end with every send received; else what goes wrong, with the cycle."""
+    n = len(programs)
+    pc = [0] * n
+    posted: Counter[tuple[object, ...]] = Counter()
+    waiting: dict[tuple[object, ...], int] = {}
+    arrived: dict[tuple[object, ...], set[int]] = {}
+    seen_collectives: list[Counter[tuple[object, ...]]] = [Counter() for _ in range(n)]
+    runnable = deque(range(n))
+    while runnable:
+        rank = runnable.popleft()
+        instrs = programs[rank].instrs
+        while pc[rank] < len(instrs):
+            instr = instrs[pc[rank]]
+            if instr.kind is InstrKind.SEND:
+                key = _message_key(instr, rank)
+                posted[key] += 1
+                if key in waiting:
+                    runnable.append(waiting.pop(key))
+            elif instr.kind is InstrKind.RECV:
+                key = _message_key(instr, rank)
+                if not posted[key]:
+                    waiting[key] = rank
+                    break
+                posted[key] -= 1
+            elif instr.kind is InstrKind.ALLREDUCE:
+                base = (instr.stage, instr.param, instr.group)
+                key = _collective_key(instr, seen_collectives[rank][base])
+                members = arrived.setdefault(key, set())
+                if rank not in members:
+                    members.add(rank)
+                if members != set(instr.group or ()):
+                    break
+                seen_collectives[rank][base] += 1
+                for other in members - {rank}:
+                    seen_collectives[other][base] += 1
+                    pc[other] += 1
+                    runnable.append(other)
+            pc[rank] += 1
+    stuck = [r for r in range(n) if pc[r] < len(programs[r].instrs)]
+    if stuck:
+        return _describe_cycle(programs, pc, stuck[0], arrived, seen_collectives, module)
+    unreceived = [key for key, count in posted.items() if count]
+    if unreceived:
+        src, dst, value, grad, mb = unreceived[0]
+        name = Namer(module.ops)(value) if module and isinstance(value, Op) else "a value"  # type: ignore[arg-type]
+        return f"rank {src} sends {'grad ' if grad else ''}{name} mb={mb} to rank {dst}, which never receives it"
+    return None
+
+
+def _waits_for(
+    programs: list[RankProgram],
+    pc: list[int],
+    rank: int,
+    arrived: dict[tuple[object, ...], set[int]],
+    seen: list[Counter[tuple[object, ...]]],
+) -> int:
+    instr = programs[rank].instrs[pc[rank]]
+    if instr.kind is InstrKind.RECV:
+        assert instr.peer is not None
+        return instr.peer
+    base = (instr.stage, instr.param, instr.group)
+    members = arrived.get(_collective_key(instr, seen[rank][base]), set())
+    return min(set(instr.group or ()) - members, default=rank)
+
+
+def _describe_cycle(
+    programs: list[RankProgram],
+    pc: list[int],
+    start: int,
+    arrived: dict[tuple[object, ...], set[int]],
+    seen: list[Counter[tuple[object, ...]]],
+    module: Module | None,
+) -> str:
+    chain: list[int] = []
+    rank = start
+    while rank not in chain:
+        chain.append(rank)
+        if pc[rank] >= len(programs[rank].instrs):
+            steps = [f"{_where(module, programs[r], pc[r])} waits for rank {w}" for r, w in itertools.pairwise(chain)]
+            return "; ".join(steps) + f"; rank {rank} has finished its program without getting there"
+        rank = _waits_for(programs, pc, rank, arrived, seen)
+    cycle = [*chain[chain.index(rank) :], rank]
+    steps = [f"{_where(module, programs[r], pc[r])} waits for rank {w}" for r, w in itertools.pairwise(cycle)]
+    return "cycle: " + "; ".join(steps)
+
+
+# ------------------------------------------------------------------------------------------- frees
+
+
+def _buffer_key(instr: Instr) -> tuple[object, ...]:
+    """What a forward, recv or free makes or releases: a stage's activations, a value, or a gradient."""
+    if instr.kind is InstrKind.FORWARD or (instr.kind is InstrKind.FREE and instr.stage is not None):
+        return ("stage", instr.stage, instr.mb)
+    return ("grad" if instr.grad else "value", instr.value, instr.mb)
+
+
+def check_frees(module: Module) -> None:
+    """Every forward's activations, received value and received gradient is freed exactly once, after use."""
+    touches = {s: _touches(s) for s in module.stages}
+    for program in module.programs:
+        live: set[tuple[object, ...]] = set()
+        freed: dict[int | None, list[tuple[tuple[object, ...], int]]] = {}
+        for i, instr in enumerate(program.instrs):
+            if instr.kind in (InstrKind.FORWARD, InstrKind.RECV):
+                live.add(_buffer_key(instr))
+            elif instr.kind is InstrKind.FREE:
+                key = _buffer_key(instr)
+                if key not in live:
+                    where = _where(module, program, i)
+                    raise VerifyError(f"verify: {where} frees what is not live (never made, or freed twice)")
+                live.remove(key)
+                freed.setdefault(instr.mb, []).append((key, i))
+            if instr.kind not in _COMPUTE or instr.stage is None:
+                continue
+            for (kind, what, _mb), at in freed.get(instr.mb, []):
+                if (kind, what) in touches[instr.stage]:
+                    raise VerifyError(
+                        f"verify: {_where(module, program, i)} uses what {_where(module, program, at)} already freed"
+                    )
+        if live:
+            kind, what, mb = sorted(live, key=str)[0]
+            name = f"@{what.name}" if isinstance(what, Stage) else Namer(module.ops)(what)  # type: ignore[arg-type]
+            grad = "grad " if kind == "grad" else ""
+            raise VerifyError(f"verify: rank {program.rank} never frees {grad}{name} mb={mb}")
+
+
+def _touches(stage: Stage) -> set[tuple[str, object]]:
+    """Buffers a stage's compute reads: its activations, the values it reads, gradients of what it defines."""
+    reads = {("value", v) for op in stage.ops for v in op.operands}
+    return {("stage", stage)} | reads | {("grad", op) for op in stage.ops}
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def check_memory(module: Module, cluster: str | ClusterSpec) -> None:
+    """Each rank's static peak fits its device; the error names the rank, the instruction and the overflow."""
+    spec = resolve_cluster(cluster) if isinstance(cluster, str) else cluster
+    for program in module.programs:
+        if program.attrs.device is None:
+            continue
+        capacity = spec.device(program.attrs.device).memory_bytes
+        peak = program_peak(module, program)
+        if peak.total <= capacity:
+            continue
+        at = _where(module, program, peak.index) if peak.index >= 0 else f"rank {program.rank} (static state alone)"
+        raise VerifyError(
+            f"verify: {at}: rank {program.rank} on device {program.attrs.device} needs {peak.total:.0f} bytes "
+            f"({peak.static_bytes:.0f} static + {peak.live_bytes:.0f} live), {peak.total - capacity:.0f} bytes "
+            f"more than the device's {capacity:.0f}"
+        )

@@ -1,0 +1,260 @@
+"""Pipeline schedules as data: functions from a pipeline shape to per-rank orders of compute work.
+
+A schedule sees the pipeline as slots: slot (g, j) is replica j of device group g. Without virtual
+stages each stage is its own group; with V virtual stages, stage k sits on group k % P (P = stages / V).
+Replica j of a stage with R replicas runs the microbatches m with m % R == j, whole. A schedule returns,
+per slot, the order of `Work` items (forward, backward, or backward_input / backward_weight for split
+backward); `lower-comm` adds the communication around them. Add one with `@register_schedule("name")`.
+`load_order_csv` reads a hand-written order instead (columns `rank,kind,stage,mb`).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dapple_ir.errors import ScheduleError
+from dapple_ir.ir import InstrKind
+
+F, B = InstrKind.FORWARD, InstrKind.BACKWARD
+BI, BW = InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT
+COMPUTE_KINDS = (F, B, BI, BW)
+
+Slot = tuple[int, int]
+"""(device group, replica)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One unit of compute: `kind` of stage number `stage` (pipeline order) on microbatch `mb`."""
+
+    kind: InstrKind
+    stage: int
+    mb: int
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """The pipeline a schedule orders work for."""
+
+    replicas: tuple[int, ...]
+    """Replica count of each stage, in pipeline order."""
+    microbatches: int
+    """Microbatches per step (M), over all replicas."""
+    virtual: int = 1
+    """Virtual stages per device group (interleaved schedules)."""
+
+    @property
+    def stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def groups(self) -> int:
+        """Device groups P: stage k runs on group k % P."""
+        return self.stages // self.virtual
+
+    def local_microbatches(self, stage: int, replica: int) -> list[int]:
+        """The microbatches replica `replica` of `stage` runs, in order."""
+        r = self.replicas[stage]
+        return list(range(replica, self.microbatches, r))
+
+    def slots(self) -> list[Slot]:
+        """(group, replica) for every replica of every group, in group then replica order."""
+        return [(g, j) for g in range(self.groups) for j in range(self.replicas[g])]
+
+    def group_stages(self, group: int) -> list[int]:
+        return list(range(group, self.stages, self.groups))
+
+
+ScheduleFn = Callable[[ScheduleRequest], dict[int, list[Work]]]
+"""Orders each device group's work over all microbatches, as if no stage were replicated."""
+SCHEDULES: dict[str, ScheduleFn] = {}
+
+
+def register_schedule(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
+    """Decorator that makes a schedule function available as `schedule{kind=name}`."""
+
+    def wrap(fn: ScheduleFn) -> ScheduleFn:
+        SCHEDULES[name] = fn
+        return fn
+
+    return wrap
+
+
+def build_schedule(kind: str, request: ScheduleRequest) -> dict[Slot, list[Work]]:
+    """Each slot's order: its group's order restricted to the microbatches the replica runs.
+
+    Every replica's order is a subsequence of one deadlock-free single-pipeline order, so the execution
+    that order describes is still valid: replication never introduces a deadlock.
+    """
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule kind '{kind}'; registered kinds: {', '.join(sorted(SCHEDULES))}")
+    if request.microbatches < 1:
+        raise ScheduleError(f"schedule '{kind}' needs at least one microbatch, not {request.microbatches}")
+    if kind != "interleaved" and request.virtual != 1:
+        raise ScheduleError(
+            f"schedule '{kind}' has no virtual stages; virtual={request.virtual} needs kind=interleaved"
+        )
+    return restrict(SCHEDULES[kind](request), request)
+
+
+def restrict(by_group: dict[int, list[Work]], request: ScheduleRequest) -> dict[Slot, list[Work]]:
+    return {(g, j): [w for w in by_group.get(g, []) if w.mb % request.replicas[g] == j] for g, j in request.slots()}
+
+
+@register_schedule("gpipe")
+def gpipe(request: ScheduleRequest) -> dict[int, list[Work]]:
+    """All forwards, then all backwards: every microbatch's activations live at once."""
+    mbs = range(request.microbatches)
+    return {s: [Work(F, s, m) for m in mbs] + [Work(B, s, m) for m in mbs] for s in range(request.stages)}
+
+
+def _early_backward(stage: int, stages: int, m: int, backward: Callable[[int], list[Work]]) -> list[Work]:
+    """min(S-s, M) warm-up forwards, then one backward (`backward(mb)`) and one forward, then the drain."""
+    warmup = min(stages - stage, m)
+    order = [Work(F, stage, mb) for mb in range(warmup)]
+    for mb in range(warmup, m):
+        order += [*backward(mb - warmup), Work(F, stage, mb)]
+    for mb in range(m - warmup, m):
+        order += backward(mb)
+    return order
+
+
+@register_schedule("1f1b")
+def one_f_one_b(request: ScheduleRequest) -> dict[int, list[Work]]:
+    """DAPPLE's early backward: min(S-s, M) warm-up forwards, then one backward, one forward, then drain."""
+    orders: dict[int, list[Work]] = {}
+    for s in range(request.stages):
+
+        def backward(mb: int, s: int = s) -> list[Work]:
+            return [Work(B, s, mb)]
+
+        orders[s] = _early_backward(s, request.stages, request.microbatches, backward)
+    return orders
+
+
+def _zb_order(stage: int, request: ScheduleRequest, defer: int) -> list[Work]:
+    pending: deque[int] = deque()
+
+    def backward(mb: int) -> list[Work]:
+        out = [Work(BI, stage, mb)]
+        pending.append(mb)
+        while len(pending) > defer:
+            out.append(Work(BW, stage, pending.popleft()))
+        return out
+
+    order = _early_backward(stage, request.stages, request.microbatches, backward)
+    return order + [Work(BW, stage, mb) for mb in pending]
+
+
+def _replica_peak(order: list[Work], request: ScheduleRequest, stage: int) -> int:
+    """Most microbatches any replica of `stage` holds (forward done, activations not yet released)."""
+    r = request.replicas[stage]
+    live, peak = [0] * r, 0
+    for w in order:
+        live[w.mb % r] += 1 if w.kind is F else -1 if w.kind in (B, BW) else 0
+        peak = max(peak, live[w.mb % r])
+    return peak
+
+
+@register_schedule("zb-h1")
+def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
+    """Zero Bubble H1: 1f1b's forwards and input-gradient passes; stage s defers up to s weight passes.
+
+    Deferred W passes fill the bubbles that waiting for gradients leaves. Activations live from F to W,
+    so deferring raises a stage's hold; each stage defers the most it can while no rank holds more
+    microbatches than the fullest 1f1b rank does (min(S, M) unreplicated, the ZB paper's bound).
+    """
+    ref = one_f_one_b(request)
+    cap = max(_replica_peak(ref[s], request, s) for s in range(request.stages))
+    orders: dict[int, list[Work]] = {}
+    for s in range(request.stages):
+        for defer in range(s, -1, -1):
+            orders[s] = _zb_order(s, request, defer)
+            if _replica_peak(orders[s], request, s) <= cap:
+                break
+    return orders
+
+
+@register_schedule("interleaved")
+def interleaved(request: ScheduleRequest) -> dict[int, list[Work]]:
+    """Megatron-style interleaved 1f1b: each group runs V virtual stages, P microbatches per round."""
+    p, v, m = request.groups, request.virtual, request.microbatches
+    if m < p:
+        raise ScheduleError(
+            f"interleaved schedule: {m} microbatches are fewer than the {p} pipeline groups; "
+            f"use at least {p} microbatches"
+        )
+    if m % p and v > 1:
+        raise ScheduleError(
+            f"interleaved schedule: {m} microbatches do not split into rounds of {p} (one per pipeline group); "
+            f"Megatron's order needs a multiple of {p}, such as {m - m % p or p} or {m - m % p + p}"
+        )
+    rounds = [range(i, min(i + p, m)) for i in range(0, m, p)]
+    orders: dict[int, list[Work]] = {}
+    for g in range(p):
+        fwd = [(c * p + g, mb) for r in rounds for c in range(v) for mb in r]
+        bwd = [(c * p + g, mb) for r in rounds for c in reversed(range(v)) for mb in r]
+        total = len(fwd)
+        warmup = total if m == p else min((p - g - 1) * 2 + (v - 1) * p, total)
+        order = [Work(F, k, mb) for k, mb in fwd[:warmup]]
+        for i in range(total - warmup):
+            order += [Work(F, *fwd[warmup + i]), Work(B, *bwd[i])]
+        order += [Work(B, k, mb) for k, mb in bwd[total - warmup :]]
+        orders[g] = order
+    return orders
+
+
+# ----------------------------------------------------------------------------- hand-written order
+
+_KIND_WORDS = {
+    "f": F,
+    "forward": F,
+    "b": B,
+    "backward": B,
+    "bi": BI,
+    "backward_input": BI,
+    "w": BW,
+    "bw": BW,
+    "backward_weight": BW,
+}
+
+
+def load_order_csv(path: str | Path, stage_names: list[str]) -> dict[int, list[Work]]:
+    """Per-rank orders from a CSV file with header `rank,kind,stage,mb`; rows in execution order.
+
+    `kind` is forward/backward/backward_input/backward_weight (or F/B/BI/W); `stage` a stage name
+    (`s0`, with or without `@`) or its number in pipeline order. Lines starting with `#` are skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ScheduleError(f"schedule order file {path} does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    reader = csv.DictReader(lines)
+    missing = {"rank", "kind", "stage", "mb"} - set(reader.fieldnames or ())
+    if missing:
+        raise ScheduleError(f"{path}: the header must name columns rank,kind,stage,mb; missing {sorted(missing)}")
+    orders: dict[int, list[Work]] = {}
+    for number, row in enumerate(reader, start=2):
+        where = f"{path}, row {number}"
+        kind = _KIND_WORDS.get(row["kind"].strip().lower())
+        if kind is None:
+            raise ScheduleError(f"{where}: unknown kind '{row['kind']}'; use one of {', '.join(_KIND_WORDS)}")
+        stage = _stage_number(row["stage"].strip().lstrip("@"), stage_names, where)
+        try:
+            rank, mb = int(row["rank"]), int(row["mb"])
+        except ValueError:
+            raise ScheduleError(f"{where}: rank and mb must be integers, not '{row['rank']}', '{row['mb']}'") from None
+        orders.setdefault(rank, []).append(Work(kind, stage, mb))
+    return orders
+
+
+def _stage_number(text: str, stage_names: list[str], where: str) -> int:
+    if text in stage_names:
+        return stage_names.index(text)
+    if text.isdigit() and int(text) < len(stage_names):
+        return int(text)
+    raise ScheduleError(f"{where}: unknown stage '{text}'; stages are {', '.join(stage_names)}")

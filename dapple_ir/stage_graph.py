@@ -1,0 +1,90 @@
+"""What crosses stage boundaries: values sent between stages, which of them carry gradients back, and
+parameters that several stages read (tied). `lower-comm` lowers these; the runtime and simulator can ask too.
+
+A value crosses from stage p to stage t when an op of t reads it and p defines it; p may be any earlier
+stage. Values of `input` ops (each stage that reads them loads them) and of `get_attr` ops (a stage that
+reads a parameter holds it) never cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapple_ir.errors import ScheduleError
+from dapple_ir.ir import Module, Op, OpKind, Stage, TensorType, TupleType, Type
+
+_FLOAT = {"f64", "f32", "f16", "bf16", "c64"}
+_LOCAL = (OpKind.INPUT, OpKind.GET_ATTR)
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A value defined in `producer` and read in a later `consumer` stage."""
+
+    value: Op
+    producer: Stage
+    consumer: Stage
+
+
+def crossings(module: Module) -> list[Crossing]:
+    """Every (value, producer stage, consumer stage) that needs a transfer, in consumer then op order."""
+    stage_of = module.stage_of()
+    position = {s: i for i, s in enumerate(module.stages)}
+    result: list[Crossing] = []
+    seen: set[tuple[Op, Stage]] = set()
+    for stage in module.stages:
+        for op in stage.ops:
+            for v in op.operands:
+                producer = stage_of[v]
+                if producer is stage or v.kind in _LOCAL or (v, stage) in seen:
+                    continue
+                if position[producer] > position[stage]:
+                    raise ScheduleError(
+                        f"%{op.name} in stage @{stage.name} reads %{v.name} from the later stage "
+                        f"@{producer.name}; stages must follow the data flow"
+                    )
+                seen.add((v, stage))
+                result.append(Crossing(v, producer, stage))
+    return result
+
+
+def values_needing_grad(module: Module) -> set[Op]:
+    """Float values that depend on a trainable parameter: only their gradients travel back."""
+    trainable = {p.name for p in module.params if not p.attrs.buffer}
+    result: set[Op] = set()
+    for op in module.ops:
+        reads = set(op.attrs.params or ()) | ({op.target} if op.kind is OpKind.GET_ATTR and op.target else set())
+        own = bool(reads & trainable) or bool(op.attrs.param_bytes)
+        if (own or any(v in result for v in op.operands)) and _is_float(op.type):
+            result.add(op)
+    return result
+
+
+def _is_float(t: Type) -> bool:
+    if isinstance(t, TensorType):
+        return t.dtype in _FLOAT
+    if isinstance(t, TupleType):
+        return any(_is_float(e) for e in t.elements)
+    return False
+
+
+def tied_params(module: Module) -> dict[str, list[Stage]]:
+    """Trainable parameters read by more than one stage, with those stages in pipeline order."""
+    stage_of = module.stage_of()
+    users = module.users()
+    holders: dict[str, set[Stage]] = {}
+    for op in module.ops:
+        names = set(op.attrs.params or ())
+        if op.kind is OpKind.GET_ATTR and op.target:
+            names.add(op.target)
+        # A get_attr is materialised where it is read, so its readers hold the parameter too.
+        stages = {stage_of[op]} | ({stage_of[u] for u in users[op]} if op.kind is OpKind.GET_ATTR else set())
+        for name in names:
+            holders.setdefault(name, set()).update(stages)
+    buffers = {p.name for p in module.params if p.attrs.buffer}
+    order = {s: i for i, s in enumerate(module.stages)}
+    return {
+        name: sorted(stages, key=order.__getitem__)
+        for name, stages in holders.items()
+        if len(stages) > 1 and name not in buffers
+    }

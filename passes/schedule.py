@@ -1,0 +1,158 @@
+"""`schedule`: one compute-only program per rank, ordered by a registered schedule or a CSV file.
+
+Ranks are the devices the stages use, numbered by ascending device id. With `virtual=V` (interleaved),
+stage k sits on the devices of stage k % P, P = stages / V; stages left without devices get them from
+that rule, and a module whose stages name no devices at all gets devices 0, 1, ... in pipeline order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dapple_ir import schedules
+from dapple_ir.errors import ScheduleError
+from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
+from dapple_ir.plan_checks import check_compute_order, find_deadlock
+from dapple_ir.registry import Pass, PassContext, register_pass
+
+_BUILTIN = frozenset({"gpipe", "1f1b", "zb-h1", "interleaved"})
+
+
+@register_pass
+@dataclass(frozen=True)
+class Schedule(Pass):
+    """Order each rank's forward and backward work (gpipe, 1f1b, interleaved, zb-h1, or a CSV order)."""
+
+    name = "schedule"
+
+    kind: str = field(default="1f1b", metadata={"doc": f"schedule name: {', '.join(schedules.SCHEDULES)}"})
+    microbatches: int = field(default=0, metadata={"doc": "microbatches per step; 0 keeps the module's"})
+    virtual: int = field(default=1, metadata={"doc": "virtual stages per device group (interleaved)"})
+    from_: str = field(default="", metadata={"doc": "CSV file with the per-rank order (rank,kind,stage,mb)"})
+
+    def apply(self, ctx: PassContext, module: Module) -> None:
+        if not module.stages:
+            raise ScheduleError("schedule: the module has no stages; run a planner (or write stages) first")
+        m = self.microbatches or module.attrs.microbatches
+        if not m or m < 1:
+            raise ScheduleError("schedule: no microbatch count; give schedule{microbatches=M} or set the module's")
+        widest = max(module.stages, key=lambda s: s.replicas)
+        if m < widest.replicas:
+            raise ScheduleError(
+                f"schedule: stage @{widest.name} has {widest.replicas} replicas but there are only {m} microbatches; "
+                "each replica needs at least one (replica j runs microbatches m with m % replicas == j)"
+            )
+        virtual = self.virtual
+        _check_virtual(module.stages, virtual, m if self.kind == "interleaved" and not self.from_ else None)
+        _set_batch_attrs(module, m)
+        groups = len(module.stages) // virtual
+        _place(module.stages, groups)
+        device_slots = _device_slots(module.stages, groups)
+        request = schedules.ScheduleRequest(tuple(s.replicas for s in module.stages), m, virtual)
+        if self.from_:
+            orders = schedules.load_order_csv(self.from_, [s.name for s in module.stages])
+            module.attrs.schedule = f"from:{self.from_}"
+        else:
+            by_slot = schedules.build_schedule(self.kind, request)
+            orders = {rank: by_slot.get(slot, []) for rank, (_device, slot) in enumerate(device_slots)}
+            module.attrs.schedule = self.kind
+        if set(orders) - set(range(len(device_slots))):
+            extra = sorted(set(orders) - set(range(len(device_slots))))
+            raise ScheduleError(f"schedule: the order names ranks {extra}, but the stages use {len(device_slots)}")
+        module.programs = [
+            _program(module.stages, rank, device, slot, groups, orders.get(rank, []))
+            for rank, (device, slot) in enumerate(device_slots)
+        ]
+        check_compute_order(module)
+        # The built-in schedules are deadlock-free by construction (and `verify` checks their lowering);
+        # a hand-written or user-registered order is checked here, where the error can say whose it is.
+        if self.from_ or self.kind not in _BUILTIN:
+            _refuse_deadlock(module, self.spec())
+
+
+def _check_virtual(stages: list[Stage], virtual: int, m: int | None) -> None:
+    n = len(stages)
+    if virtual < 1 or n % virtual:
+        raise ScheduleError(
+            f"interleaved schedule: virtual={virtual} does not divide the {n} stages into device groups; "
+            f"the module needs a multiple of {virtual} stages (stage k runs on device group k % (stages / virtual))"
+        )
+    groups = n // virtual
+    if m is not None and m < groups:
+        raise ScheduleError(
+            f"interleaved schedule: {m} microbatches are fewer than the {groups} pipeline groups; "
+            f"interleaving needs at least one microbatch per group in flight (microbatches >= {groups})"
+        )
+    for k, stage in enumerate(stages[groups:], start=groups):
+        lead = stages[k % groups]
+        if stage.replicas != lead.replicas:
+            raise ScheduleError(
+                f"interleaved schedule: stage @{stage.name} has {stage.replicas} replicas but shares device "
+                f"group {k % groups} with @{lead.name}, which has {lead.replicas}"
+            )
+
+
+def _set_batch_attrs(module: Module, m: int) -> None:
+    """Keep global_batch = microbatches * microbatch_size: the global batch wins when known."""
+    attrs = module.attrs
+    if attrs.global_batch:
+        if attrs.global_batch % m:
+            raise ScheduleError(f"schedule: global batch {attrs.global_batch} does not split into {m} microbatches")
+        attrs.microbatch_size = attrs.global_batch // m
+    elif attrs.microbatch_size:
+        attrs.global_batch = attrs.microbatch_size * m
+    attrs.microbatches = m
+
+
+def _place(stages: list[Stage], groups: int) -> None:
+    """Fill in devices: all unplaced means devices 0.. in pipeline order; stage k >= P copies stage k % P."""
+    if all(s.attrs.devices is None for s in stages):
+        next_device = 0
+        for stage in stages[:groups]:
+            stage.attrs.devices = tuple(range(next_device, next_device + stage.replicas))
+            next_device += stage.replicas
+    for k, stage in enumerate(stages):
+        lead = stages[k % groups]
+        if lead.attrs.devices is None:
+            raise ScheduleError(f"schedule: stage @{lead.name} has no devices while other stages do; place all")
+        if stage.attrs.devices is None:
+            stage.attrs.devices = lead.attrs.devices
+        if k >= groups and stage.attrs.devices != lead.attrs.devices:
+            raise ScheduleError(
+                f"schedule: virtual stage @{stage.name} must sit on the devices of @{lead.name} "
+                f"{list(lead.attrs.devices)}, not {list(stage.attrs.devices)}"
+            )
+
+
+def _device_slots(stages: list[Stage], groups: int) -> list[tuple[int, schedules.Slot]]:
+    """(device, slot) for each rank, ranks in ascending device order."""
+    owner: dict[int, schedules.Slot] = {}
+    for g, stage in enumerate(stages[:groups]):
+        for j, device in enumerate(stage.attrs.devices or ()):
+            if device in owner:
+                other = stages[owner[device][0]].name
+                raise ScheduleError(
+                    f"schedule: device {device} holds both @{other} and @{stage.name}; only virtual stages of "
+                    "an interleaved schedule (virtual=V) share devices"
+                )
+            owner[device] = (g, j)
+    return sorted(owner.items())
+
+
+def _program(
+    stages: list[Stage], rank: int, device: int, slot: schedules.Slot, groups: int, order: list[schedules.Work]
+) -> RankProgram:
+    g, replica = slot
+    hosted = tuple(s.name for s in stages[g::groups])
+    instrs = [Instr(w.kind, stage=stages[w.stage], mb=w.mb) for w in order]
+    return RankProgram(f"rank{rank}", instrs, ProgramAttrs(rank=rank, device=device, replica=replica, stages=hosted))
+
+
+def _refuse_deadlock(module: Module, spec: str) -> None:
+    # Sends go right after the compute that produced them and recvs right before the compute that
+    # needs them, so the compute order deadlocks exactly when its lowering does: check the lowering.
+    from dapple_ir.passes.lower_comm import lowered_programs
+
+    cycle = find_deadlock(lowered_programs(module), module)
+    if cycle is not None:
+        raise ScheduleError(f"{spec}: the order deadlocks: {cycle}")
