@@ -1,0 +1,82 @@
+"""`dapple simulate PLAN`: predict one iteration of a plan, print a summary, write the timeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dapple_ir.errors import DappleError
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "simulate",
+        help="predict a plan's timeline and memory; write timeline.json and timeline.png",
+        description=(
+            "Simulate one training iteration of a lowered plan: every instruction of every rank, with\n"
+            "compute from the op costs and transfers from the cluster's links. Prints iteration time,\n"
+            "busy and bubble share and peak memory per rank; writes timeline.json (Chrome trace: open it\n"
+            "in https://ui.perfetto.dev or chrome://tracing) and timeline.png (Gantt chart, memory beneath)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dapple simulate plans/gpt            # a directory written by dapple compile\n"
+            "  dapple simulate lowered.dapple -o out --cluster 2x8xV100-16GB\n"
+            "  dapple simulate plans/gpt --compare plans/gpt/timeline_measured.json   # after dapple run"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("plan", help="plan directory (holding plan.dapple) or IR file with rank programs")
+    p.add_argument("-o", "--output", metavar="DIR", help="write the timeline here (default: the plan's directory)")
+    p.add_argument("--cluster", help="cluster shorthand (2x8xV100-16GB) or TOML file; default: the plan's own")
+    p.add_argument(
+        "--backward-input-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of a stage's backward time its backward_input takes in zero-bubble plans (default 0.5)",
+    )
+    p.add_argument("--no-picture", action="store_true", help="write timeline.json only, skip the PNG")
+    p.add_argument(
+        "--compare",
+        metavar="TRACE",
+        help="a measured trace (from dapple run) to draw under the prediction, rank by rank: timeline-compare.png",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple_ir.simulator import BACKWARD_INPUT_FRACTION, simulate
+    from dapple_ir.timeline import draw_timeline, from_simulation, overlay, read_trace, write_trace
+
+    plan = Path(args.plan)
+    if not plan.exists():
+        raise DappleError(f"plan {plan} does not exist; give a plan directory from `dapple compile` or an IR file")
+    fraction = args.backward_input_fraction
+    result = simulate(
+        plan,
+        cluster=args.cluster,
+        backward_input_fraction=BACKWARD_INPUT_FRACTION if fraction is None else fraction,
+    )
+    out = Path(args.output) if args.output else (plan if plan.is_dir() else plan.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    print(result.summary())
+    if result.cluster_name == "ideal":
+        print("note: no cluster given or named by the plan; communication is free (give --cluster)", file=sys.stderr)
+    timeline = from_simulation(result)
+    write_trace(timeline, out / "timeline.json")
+    print(f"wrote {out / 'timeline.json'} (open in https://ui.perfetto.dev)")
+    if not args.no_picture:
+        draw_timeline(timeline, out / "timeline.png")
+        print(f"wrote {out / 'timeline.png'}")
+    if args.compare:
+        measured = read_trace(args.compare)
+        ratio = measured.iteration_s / result.iteration_s if result.iteration_s else float("nan")
+        print(
+            f"predicted iteration {result.iteration_s:.6g} s, measured {measured.iteration_s:.6g} s "
+            f"(measured / predicted = {ratio:.3f})"
+        )
+        draw_timeline(overlay(timeline, measured), out / "timeline-compare.png")
+        print(f"wrote {out / 'timeline-compare.png'}")
+    return 0

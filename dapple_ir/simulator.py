@@ -1,0 +1,523 @@
+"""A discrete-event simulator over the per-rank programs of a lowered plan.
+
+Each rank runs its program in order on one compute stream; its transfers run on a separate comm
+track so that communication overlaps compute wherever the instruction order allows.
+
+Instruction costs (b = microbatch size, see `memory.batch_scale`):
+- `forward` / `backward`: the sum of the stage's op `fwd_s` / `bwd_s` (given for `cost_batch`
+  samples) times b / cost_batch.
+- zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
+  the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value.
+- `send` is an isend: the data leaves when the instruction issues and arrives latency + bytes /
+  bandwidth later (the link between the two devices); the sender does not wait. Bytes are
+  `value.out_bytes * b / module.attrs.batch`, the same for a gradient.
+- `recv` blocks the rank until the matching send's data has arrived.
+- `allreduce` starts when every member of its group has reached it and takes the cluster's ring cost
+  (`ClusterSpec.allreduce_s`) over the stage's trainable parameter bytes, less parameters tied to
+  other stages (those have their own `allreduce param`, costed at the parameter's bytes);
+  it blocks its members, as DAPPLE's planner assumes (the reduction is not hidden behind the drain).
+- `optimizer_step` streams parameters, gradients and optimizer state through device memory once:
+  (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
+  also reads and writes its two moments).
+- `load_microbatch` and `free` take no time.
+Without a cluster (none given and none named by the module) links and memory are ideal: every
+transfer, allreduce and optimizer step takes zero time.
+
+Memory per rank: static bytes (parameters, gradients, optimizer state of the hosted stages) plus
+the saved activations of each forward until its `free @stage mb`, plus each received tensor from its
+`recv` until its `free`. Memory changes when an instruction starts, so the per-rank peak equals the
+peak over instruction order that `insert-frees` computes statically.
+
+The simulator is O(instructions): a per-rank cursor loop that parks a rank on a recv or allreduce
+and wakes it when the data or the last group member arrives.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dapple_ir import memory
+from dapple_ir.cluster import ClusterSpec, DeviceKind, Link, resolve_cluster
+from dapple_ir.errors import DappleError
+from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.peak_memory import hosted_stages, transfer_bytes
+from dapple_ir.stage_graph import tied_params
+
+#: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
+BACKWARD_INPUT_FRACTION = 0.5
+
+#: Instructions that occupy the compute stream (drawn on the compute track).
+COMPUTE_KINDS = frozenset(
+    {
+        InstrKind.FORWARD,
+        InstrKind.BACKWARD,
+        InstrKind.BACKWARD_INPUT,
+        InstrKind.BACKWARD_WEIGHT,
+        InstrKind.OPTIMIZER_STEP,
+    }
+)
+
+#: Instructions whose time is spent on the comm track.
+COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE})
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class InstrEvent:
+    """When one instruction of one rank started and ended."""
+
+    rank: int
+    index: int
+    """Position in the rank's program."""
+    instr: Instr
+    start_s: float
+    end_s: float
+    """For a send: when its data arrives; for a recv: when the rank could go on."""
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """Predicted timing and memory of one training iteration of a plan."""
+
+    module: Module
+    """The simulated module (its programs give the instructions the indices refer to)."""
+    cluster_name: str
+    """Cluster the costs came from (`ideal` for zero-cost communication)."""
+    iteration_s: float
+    """Time from the first instruction to the last one ending, over all ranks."""
+    busy_s: list[float]
+    """Per rank: time its compute stream spent in compute instructions."""
+    peak_bytes: list[float]
+    """Per rank: the highest memory the rank holds at any instruction."""
+    critical_path: list[tuple[int, int]]
+    """(rank, instruction index) from the first to the last instruction of the longest chain."""
+    starts: list[list[float]]
+    """starts[rank][index]: when the instruction started."""
+    ends: list[list[float]]
+    """ends[rank][index]: when it ended (a send: when its data arrived)."""
+    memory: list[list[tuple[float, float]]] = field(default_factory=list)
+    """Per rank: (time, bytes) after each change, starting with the static bytes at time 0."""
+
+    @property
+    def ranks(self) -> int:
+        return len(self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> list[float]:
+        """Per rank: share of the iteration its compute stream sat idle."""
+        if self.iteration_s <= 0:
+            return [0.0] * self.ranks
+        return [1.0 - b / self.iteration_s for b in self.busy_s]
+
+    def events(self) -> Iterator[InstrEvent]:
+        """Every instruction's start and end, rank by rank in program order."""
+        for r, program in enumerate(self.module.programs):
+            starts, ends = self.starts[r], self.ends[r]
+            for i, instr in enumerate(program.instrs):
+                yield InstrEvent(r, i, instr, starts[i], ends[i])
+
+    def summary(self) -> str:
+        """A table: per rank busy %, bubble %, peak memory; the iteration time underneath."""
+        lines = [f"{'rank':>4}  {'device':>6}  {'busy %':>7}  {'bubble %':>8}  {'peak memory':>12}"]
+        bubbles = self.bubble_fraction
+        for r, program in enumerate(self.module.programs):
+            busy, bubble = 100.0 * (1.0 - bubbles[r]), 100.0 * bubbles[r]
+            device = _device_of(self.module, program, r)
+            peak = _format_bytes(self.peak_bytes[r])
+            lines.append(f"{r:>4}  {device:>6}  {busy:>7.1f}  {bubble:>8.1f}  {peak:>12}")
+        mean_bubble = 100.0 * sum(bubbles) / max(1, len(bubbles))
+        lines.append(
+            f"iteration {_format_seconds(self.iteration_s)} on {self.cluster_name}; mean bubble {mean_bubble:.1f} %; "
+            f"peak memory {_format_bytes(max(self.peak_bytes, default=0.0))}"
+        )
+        return "\n".join(lines)
+
+
+def simulate(
+    module_or_path: Module | str | Path,
+    *,
+    cluster: ClusterSpec | str | None = None,
+    backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+) -> SimulationResult:
+    """Simulate one iteration of the plan's rank programs.
+
+    `module_or_path`: a lowered module, an IR file, or a plan directory holding `plan.dapple`.
+    `cluster`: a spec, a shorthand (`2x8xV100-16GB`) or TOML path; defaults to the module's
+    `cluster` attribute, else ideal links (communication free).
+    """
+    module = _load(module_or_path)
+    if not module.programs:
+        raise DappleError(
+            f"module @{module.name} has no rank programs to simulate; lower it first "
+            "(pipeline 'schedule{kind=1f1b},lower-comm,insert-frees')"
+        )
+    if not 0.0 <= backward_input_fraction <= 1.0:
+        raise DappleError(f"backward_input_fraction must lie in [0, 1], got {backward_input_fraction}")
+    spec = _resolve(cluster if cluster is not None else module.attrs.cluster)
+    return _Simulator(module, spec, backward_input_fraction).run()
+
+
+# ------------------------------------------------------------------------------ loading, cluster
+
+
+def _load(module_or_path: Module | str | Path) -> Module:
+    if isinstance(module_or_path, Module):
+        return module_or_path
+    from dapple_ir.parser import parse_module
+
+    path = Path(module_or_path)
+    if path.is_dir():
+        path = path / "plan.dapple"
+    if not path.is_file():
+        raise DappleError(f"{module_or_path} is neither an IR file nor a plan directory holding plan.dapple")
+    return parse_module(path.read_text(), str(path))
+
+
+def ideal_cluster() -> ClusterSpec:
+    """A cluster whose links and memory cost nothing: only compute takes time."""
+    free = Link(_INF, 0.0)
+    kind = DeviceKind("ideal", _INF, {"f32": _INF}, _INF)
+    return ClusterSpec((kind,), 1 << 30, free, free, name="ideal")
+
+
+def _resolve(cluster: ClusterSpec | str | None) -> ClusterSpec:
+    if cluster is None:
+        return ideal_cluster()
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    return resolve_cluster(cluster)
+
+
+def _device_of(module: Module, program: RankProgram, rank: int) -> int:
+    """The program's device, else its stage replica's device, else the rank number."""
+    if program.attrs.device is not None:
+        return program.attrs.device
+    replica = program.attrs.replica or 0
+    for name in program.attrs.stages or ():
+        devices = module.stage(name).attrs.devices
+        if devices is not None and replica < len(devices):
+            return devices[replica]
+    return rank
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+
+class _Simulator:
+    def __init__(self, module: Module, cluster: ClusterSpec, backward_input_fraction: float) -> None:
+        self.module = module
+        self.cluster = cluster
+        self.devices = [_device_of(module, p, r) for r, p in enumerate(module.programs)]
+        for r, d in enumerate(self.devices):
+            if not 0 <= d < cluster.num_devices:
+                raise DappleError(
+                    f"rank {r} runs on device {d}, but cluster {cluster.name} has devices 0..{cluster.num_devices - 1}"
+                )
+        scale = memory.batch_scale(module)
+        f = backward_input_fraction
+        # Durations by stage of each compute kind, looked up once per instruction in the main loop.
+        self.fwd: dict[Stage, float] = {}
+        self.bwd: dict[Stage, float] = {}
+        self.bwd_input: dict[Stage, float] = {}
+        self.bwd_weight: dict[Stage, float] = {}
+        for stage in module.stages:
+            fwd = sum(op.attrs.fwd_s or 0.0 for op in stage.ops) * scale
+            bwd = sum(op.attrs.bwd_s or 0.0 for op in stage.ops) * scale
+            self.fwd[stage], self.bwd[stage] = fwd, bwd
+            self.bwd_input[stage], self.bwd_weight[stage] = bwd * f, bwd * (1.0 - f)
+        self.hosted = [hosted_stages(module, p) for p in module.programs]
+        self.transfers: dict[tuple[Op, int, int], float] = {}
+        self.tied: set[str] | None = None
+
+    # ----------------------------------------------------------------------- instruction costs
+
+    def transfer_s(self, value: Op, src: int, dst: int) -> float:
+        """Seconds from issuing `send value` on rank src until the data is on rank dst."""
+        link = self.cluster.link(self.devices[src], self.devices[dst])
+        seconds = self.transfers[(value, src, dst)] = link.transfer_s(transfer_bytes(self.module, value))
+        return seconds
+
+    def optimizer_s(self, rank: int) -> float:
+        kind = self.cluster.device(self.devices[rank])
+        if kind.mem_bandwidth == _INF:
+            return 0.0
+        param_bytes = self.module.param_bytes_of([op for s in self.hosted[rank] for op in s.ops])
+        state = memory.optimizer_state_factor(self.module.attrs.optimizer)
+        return (3.0 + 2.0 * state) * param_bytes / kind.mem_bandwidth
+
+    def allreduce(self, instr: Instr) -> tuple[tuple, float, int]:
+        """(what is reduced over which group, seconds, group size) of an allreduce."""
+        assert instr.group is not None
+        if instr.param is not None:
+            target, nbytes = "param " + instr.param, float(self.module.param(instr.param).nbytes)
+        else:
+            assert instr.stage is not None
+            target, nbytes = "stage " + instr.stage.name, self.stage_reduce_bytes(instr.stage)
+        group = tuple(sorted(instr.group))
+        seconds = self.cluster.allreduce_s(nbytes, [self.devices[r] for r in group])
+        return (group, target), seconds, len(group)
+
+    def stage_reduce_bytes(self, stage: Stage) -> float:
+        """Gradient bytes a stage's replicas sum: its trainable parameters less the tied ones, which
+        `lower-comm` reduces separately with `allreduce param`."""
+        if self.tied is None:
+            self.tied = set(tied_params(self.module))
+        table = {p.name: p for p in self.module.params}
+        read = {name for op in stage.ops for name in op.attrs.params or ()}
+        tied = sum(table[name].nbytes for name in read & self.tied if not table[name].attrs.buffer)
+        return self.module.param_bytes_of(stage.ops) - tied
+
+    # ---------------------------------------------------------------------------- the main loop
+
+    def run(self) -> SimulationResult:
+        programs = self.module.programs
+        n = len(programs)
+        starts = [[0.0] * len(p.instrs) for p in programs]
+        ends = [[0.0] * len(p.instrs) for p in programs]
+        step_s = [self.optimizer_s(r) for r in range(n)]
+        clock = [0.0] * n
+        busy = [0.0] * n
+        pc = [0] * n
+        # (rank, index) -> (rank, index) whose completion the instruction waited for.
+        waited_on: dict[tuple[int, int], tuple[int, int]] = {}
+        # (value, grad, mb, receiving rank) -> (arrival time, sending rank, send index)
+        arrivals: dict[tuple, tuple[float, int, int]] = {}
+        recv_waiters: dict[tuple, int] = {}
+        reduce_arrivals: dict[tuple, list[tuple[float, int, int]]] = {}
+        reduce_done: dict[tuple, tuple[float, float, int, int]] = {}
+        reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]
+        parked_key: list[tuple | None] = [None] * n
+        fwd, bwd, bwd_input, bwd_weight, transfers = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.transfers
+        # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
+        k_fwd, k_bwd, k_free, k_send, k_recv = (
+            InstrKind.FORWARD,
+            InstrKind.BACKWARD,
+            InstrKind.FREE,
+            InstrKind.SEND,
+            InstrKind.RECV,
+        )
+        k_bwd_input, k_bwd_weight, k_step = (
+            InstrKind.BACKWARD_INPUT,
+            InstrKind.BACKWARD_WEIGHT,
+            InstrKind.OPTIMIZER_STEP,
+        )
+        ready = deque(range(n))
+        while ready:
+            r = ready.popleft()
+            instrs, st, en = programs[r].instrs, starts[r], ends[r]
+            i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
+            while i < limit:
+                instr = instrs[i]
+                kind = instr.kind
+                # Compute kinds fall through to the common tail; the others finish their own entry.
+                if kind is k_fwd:
+                    d = fwd[instr.stage]  # type: ignore[index]
+                elif kind is k_bwd:
+                    d = bwd[instr.stage]  # type: ignore[index]
+                elif kind is k_free:
+                    st[i] = en[i] = t
+                    i += 1
+                    continue
+                elif kind is k_send:
+                    value, peer = instr.value, instr.peer
+                    seconds = transfers.get((value, r, peer))  # type: ignore[arg-type]
+                    if seconds is None:
+                        seconds = self.transfer_s(value, r, peer)  # type: ignore[arg-type]
+                    key: tuple = (value, instr.grad, instr.mb, peer)
+                    arrivals[key] = (t + seconds, r, i)
+                    st[i], en[i] = t, t + seconds
+                    if recv_waiters.pop(key, None) is not None:
+                        ready.append(peer)  # type: ignore[arg-type]
+                    i += 1
+                    continue
+                elif kind is k_recv:
+                    key = (instr.value, instr.grad, instr.mb, r)
+                    got = arrivals.get(key)
+                    if got is None:
+                        recv_waiters[key] = r
+                        break
+                    st[i] = t
+                    if got[0] > t:
+                        t = got[0]
+                        waited_on[(r, i)] = (got[1], got[2])
+                    en[i] = t
+                    i += 1
+                    continue
+                elif kind is k_bwd_input:
+                    d = bwd_input[instr.stage]  # type: ignore[index]
+                elif kind is k_bwd_weight:
+                    d = bwd_weight[instr.stage]  # type: ignore[index]
+                elif kind is k_step:
+                    d = step_s[r]
+                elif kind is InstrKind.ALLREDUCE:
+                    reduced = parked_key[r]
+                    if reduced is None:
+                        reduced = self.arrive(r, i, t, instr, reduce_seen[r], reduce_arrivals, reduce_done, ready)
+                    done = reduce_done.get(reduced)
+                    if done is None:
+                        parked_key[r] = reduced
+                        break
+                    parked_key[r] = None
+                    if (done[2], done[3]) != (r, i):
+                        waited_on[(r, i)] = (done[2], done[3])
+                    st[i], en[i] = t, done[1]
+                    t = done[1]
+                    i += 1
+                    continue
+                else:
+                    st[i] = en[i] = t
+                    i += 1
+                    continue
+                st[i] = t
+                t += d
+                en[i] = t
+                worked += d
+                i += 1
+            pc[r], clock[r] = i, t
+            busy[r] += worked
+        self.check_finished(pc)
+        return self.result(starts, ends, busy, waited_on)
+
+    def arrive(
+        self,
+        rank: int,
+        index: int,
+        t: float,
+        instr: Instr,
+        seen: dict[tuple, int],
+        arrivals: dict[tuple, list[tuple[float, int, int]]],
+        done: dict[tuple, tuple[float, float, int, int]],
+        ready: deque[int],
+    ) -> tuple:
+        """Register `rank` at an allreduce; the last member to arrive starts it and wakes the others."""
+        what, seconds, members = self.allreduce(instr)
+        occurrence = seen.get(what, 0)
+        seen[what] = occurrence + 1
+        key = (what, occurrence)
+        present = arrivals.setdefault(key, [])
+        present.append((t, rank, index))
+        if len(present) == members:
+            last = max(present)
+            done[key] = (last[0], last[0] + seconds, last[1], last[2])
+            ready.extend(m[1] for m in present if m[1] != rank)
+        return key
+
+    def check_finished(self, pc: list[int]) -> None:
+        programs = self.module.programs
+        stuck = [r for r, p in enumerate(programs) if pc[r] < len(p.instrs)]
+        if not stuck:
+            return
+        from dapple_ir.printer import Namer, format_instr
+
+        namer = Namer(self.module.ops)
+        lines = [
+            f"rank {r} waits at instruction {pc[r]}: {format_instr(programs[r].instrs[pc[r]], namer)}" for r in stuck
+        ]
+        raise DappleError(
+            "simulate: the programs deadlock; no rank can go on:\n  "
+            + "\n  ".join(lines[:16])
+            + ("\n  ..." if len(lines) > 16 else "")
+        )
+
+    def result(
+        self,
+        starts: list[list[float]],
+        ends: list[list[float]],
+        busy: list[float],
+        waited_on: dict[tuple[int, int], tuple[int, int]],
+    ) -> SimulationResult:
+        curves = [self.memory_curve(r, starts[r]) for r in range(len(starts))]
+        iteration = max((max(e, default=0.0) for e in ends), default=0.0)
+        return SimulationResult(
+            module=self.module,
+            cluster_name=self.cluster.name,
+            iteration_s=iteration,
+            busy_s=busy,
+            peak_bytes=[max(b for _, b in curve) for curve in curves],
+            critical_path=_critical_path(ends, waited_on),
+            starts=starts,
+            ends=ends,
+            memory=curves,
+        )
+
+    def memory_curve(self, rank: int, starts: list[float]) -> list[tuple[float, float]]:
+        """(time, bytes) after each allocation or release, keyed like `peak_memory`: a free of something
+        the rank never allocated (a value it sent, say) releases nothing."""
+        module = self.module
+        level = memory.static_bytes(module, [op for s in self.hosted[rank] for op in s.ops])
+        curve = [(0.0, level)]
+        acts: dict[Stage, float] = {}
+        sizes: dict[Op, float] = {}
+        live: dict[tuple, float] = {}
+        k_fwd, k_recv, k_free = InstrKind.FORWARD, InstrKind.RECV, InstrKind.FREE
+        for i, instr in enumerate(module.programs[rank].instrs):
+            kind = instr.kind
+            if kind is k_free:
+                stage = instr.stage
+                nbytes = live.pop((stage, instr.mb) if stage is not None else (instr.value, instr.grad, instr.mb), 0.0)
+                if nbytes:
+                    level -= nbytes
+                    curve.append((starts[i], level))
+                continue
+            if kind is k_fwd:
+                stage = instr.stage
+                assert stage is not None
+                nbytes = acts.get(stage, -1.0)
+                if nbytes < 0:
+                    nbytes = acts[stage] = memory.activation_bytes(module, stage.ops)
+                key: tuple = (stage, instr.mb)
+            elif kind is k_recv:
+                value = instr.value
+                assert value is not None
+                nbytes = sizes.get(value, -1.0)
+                if nbytes < 0:
+                    nbytes = sizes[value] = transfer_bytes(module, value)
+                key = (value, instr.grad, instr.mb)
+            else:
+                continue
+            live[key] = live.get(key, 0.0) + nbytes
+            if nbytes:
+                level += nbytes
+                curve.append((starts[i], level))
+        return curve
+
+
+def _critical_path(ends: list[list[float]], waited_on: dict[tuple[int, int], tuple[int, int]]) -> list[tuple[int, int]]:
+    """Walk back from the instruction that ends last, following each binding wait to its cause."""
+    best: tuple[float, int, int] | None = None
+    for r, e in enumerate(ends):
+        for i in range(len(e) - 1, -1, -1):
+            if best is None or e[i] > best[0]:
+                best = (e[i], r, i)
+    if best is None:
+        return []
+    path: list[tuple[int, int]] = []
+    r, i = best[1], best[2]
+    while i >= 0:
+        path.append((r, i))
+        cause = waited_on.get((r, i))
+        if cause is not None:
+            r, i = cause
+        else:
+            i -= 1
+    path.reverse()
+    return path
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _format_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,0 +1,410 @@
+"""The simulator against closed forms and hand arithmetic.
+
+Rank programs are built here directly (a small, independent lowering of hand-written schedule orders)
+so these tests do not depend on the schedule and lowering passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dapple_ir.cluster import ClusterSpec, DeviceKind, Link
+from dapple_ir.errors import DappleError
+from dapple_ir.ir import (
+    Instr,
+    InstrKind,
+    Module,
+    ModuleAttrs,
+    Op,
+    OpAttrs,
+    OpKind,
+    Param,
+    ProgramAttrs,
+    RankProgram,
+    Stage,
+    StageAttrs,
+    TensorType,
+)
+from dapple_ir.parser import parse_module
+from dapple_ir.printer import print_module
+from dapple_ir.simulator import SimulationResult, simulate
+from dapple_ir.verifier import verify_module
+
+F, B, BI, W = InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT
+COMPUTE = (F, B, BI, W, InstrKind.OPTIMIZER_STEP)
+Work = tuple[InstrKind, int, int]  # (kind, virtual stage, microbatch)
+
+
+# ------------------------------------------------------------------------- schedule orders
+
+
+def gpipe_order(stage: int, stages: int, mbs: int) -> list[Work]:
+    return [(F, stage, m) for m in range(mbs)] + [(B, stage, m) for m in range(mbs)]
+
+
+def one_f_one_b_order(stage: int, stages: int, mbs: int) -> list[Work]:
+    warmup = min(stages - stage, mbs)
+    order: list[Work] = [(F, stage, m) for m in range(warmup)]
+    for k in range(mbs):
+        order.append((B, stage, k))
+        if warmup + k < mbs:
+            order.append((F, stage, warmup + k))
+    return order
+
+
+def zb_h1_order(stage: int, stages: int, mbs: int) -> list[Work]:
+    """ZB-H1 (Qi et al. 2024, §2.1): 1f1b's warm-up, B split off, stage i defers its first i W passes."""
+    warmup = min(stages - stage, mbs)
+    order: list[Work] = [(F, stage, m) for m in range(warmup)]
+    for k in range(mbs):
+        order.append((BI, stage, k))
+        if k >= stage:
+            order.append((W, stage, k - stage))
+        if warmup + k < mbs:
+            order.append((F, stage, warmup + k))
+    order += [(W, stage, m) for m in range(max(0, mbs - stage), mbs)]
+    return order
+
+
+def interleaved_order(device: int, devices: int, mbs: int, virtual: int) -> list[Work]:
+    """Megatron-LM's interleaved 1f1b: rounds of `devices` microbatches through chunk 0, 1, ..."""
+    rounds = [range(i, min(i + devices, mbs)) for i in range(0, mbs, devices)]
+    fwd = [(c * devices + device, m) for r in rounds for c in range(virtual) for m in r]
+    bwd = [(c * devices + device, m) for r in rounds for c in reversed(range(virtual)) for m in r]
+    warmup = min((devices - device - 1) * 2 + (virtual - 1) * devices, len(fwd))
+    order: list[Work] = [(F, k, m) for k, m in fwd[:warmup]]
+    for i in range(len(fwd) - warmup):
+        order += [(F, *fwd[warmup + i]), (B, *bwd[i])]
+    order += [(B, k, m) for k, m in bwd[len(fwd) - warmup :]]
+    return order
+
+
+# ---------------------------------------------------------------------- module construction
+
+
+def pipeline_module(
+    devices: int,
+    microbatches: int,
+    order: list[list[Work]] | None,
+    *,
+    virtual: int = 1,
+    fwd_s: float = 1.0,
+    bwd_s: float = 2.0,
+    act_bytes: float = 0.0,
+    out_bytes: float = 0.0,
+    batch: int = 8,
+    microbatch_size: int = 8,
+    param_elems: int = 0,
+    optimizer: str = "sgd",
+) -> Module:
+    """A chain of `devices * virtual` single-op stages; virtual stage k runs on rank k % devices.
+
+    Lowering: recv before a compute that needs another rank's value, send right after the compute that
+    makes it, free the stage's activations after its (weight) backward and received tensors after use.
+    Without an `order` the module has stages but no programs (input for the schedule passes).
+    """
+    n_stages = devices * virtual
+    x = Op("x", OpKind.INPUT, [], TensorType("f32", (batch, 4)))
+    params = [Param(f"p{k}", TensorType("f32", (param_elems,))) for k in range(n_stages)] if param_elems else []
+    ops: list[Op] = [x]
+    for k in range(n_stages):
+        attrs = OpAttrs(fwd_s=fwd_s, bwd_s=bwd_s, act_bytes=act_bytes, out_bytes=out_bytes)
+        if param_elems:
+            attrs.params = (f"p{k}",)
+        ops.append(Op(f"h{k}", OpKind.CALL_FUNCTION, [ops[-1]], TensorType("f32", (batch, 4)), "torch.relu", attrs))
+    out = Op("loss", OpKind.OUTPUT, [ops[-1]], ops[-1].type)
+    stage_ops = [[ops[k + 1]] for k in range(n_stages)]
+    stage_ops[0].insert(0, x)
+    stage_ops[-1].append(out)
+    stages = [Stage(f"s{k}", o, StageAttrs(replicas=1, devices=(k % devices,))) for k, o in enumerate(stage_ops)]
+    module = Module(
+        "chain",
+        params=params,
+        ops=[*ops, out],
+        stages=stages,
+        attrs=ModuleAttrs(
+            batch=batch,
+            cost_batch=batch,
+            microbatches=microbatches,
+            microbatch_size=microbatch_size,
+            optimizer=optimizer,
+        ),
+    )
+    if order is None:
+        return module
+    for rank in range(devices):
+        hosted = tuple(s.name for k, s in enumerate(stages) if k % devices == rank)
+        instrs = lower(order[rank], stages, ops[1:], devices)
+        instrs.append(Instr(InstrKind.OPTIMIZER_STEP))
+        module.programs.append(RankProgram(f"rank{rank}", instrs, ProgramAttrs(rank=rank, device=rank, stages=hosted)))
+    return module
+
+
+def lower(order: list[Work], stages: list[Stage], values: list[Op], devices: int) -> list[Instr]:
+    last = len(stages) - 1
+    instrs: list[Instr] = []
+    for kind, k, m in order:
+        stage, home = stages[k], k % devices
+        if kind is F:
+            if k > 0:
+                instrs.append(Instr(InstrKind.RECV, value=values[k - 1], mb=m, peer=(k - 1) % devices))
+            instrs.append(Instr(F, stage, mb=m))
+            if k < last:
+                instrs.append(Instr(InstrKind.SEND, value=values[k], mb=m, peer=(k + 1) % devices))
+            continue
+        if kind in (B, BI):
+            if k < last:
+                instrs.append(Instr(InstrKind.RECV, value=values[k], grad=True, mb=m, peer=(k + 1) % devices))
+            instrs.append(Instr(kind, stage, mb=m))
+            if k > 0:
+                instrs.append(Instr(InstrKind.SEND, value=values[k - 1], grad=True, mb=m, peer=(k - 1) % devices))
+                instrs.append(Instr(InstrKind.FREE, value=values[k - 1], mb=m))
+            if k < last:
+                instrs.append(Instr(InstrKind.FREE, value=values[k], grad=True, mb=m))
+        if kind is W:
+            instrs.append(Instr(W, stage, mb=m))
+        if kind in (B, W):
+            instrs.append(Instr(InstrKind.FREE, stage, mb=m))
+        assert home == (k % devices)
+    return instrs
+
+
+def schedule_module(kind: str, stages: int, microbatches: int, **kwargs: object) -> Module:
+    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}[kind]
+    order = [orders(s, stages, microbatches) for s in range(stages)]
+    return pipeline_module(stages, microbatches, order, **kwargs)  # type: ignore[arg-type]
+
+
+def interleaved_module(devices: int, microbatches: int, virtual: int, **kwargs: object) -> Module:
+    order = [interleaved_order(d, devices, microbatches, virtual) for d in range(devices)]
+    return pipeline_module(devices, microbatches, order, virtual=virtual, **kwargs)  # type: ignore[arg-type]
+
+
+def test_fixture_programs_are_valid_ir() -> None:
+    for module in (schedule_module("1f1b", 3, 5), schedule_module("zb-h1", 3, 5), interleaved_module(2, 4, 2)):
+        verify_module(module)
+        text = print_module(module)
+        assert print_module(parse_module(text)) == text
+
+
+# ------------------------------------------------------------------------------ closed forms
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 1), (2, 4), (3, 5), (4, 8), (8, 16)])
+def test_gpipe_and_1f1b_match_closed_form(kind: str, stages: int, microbatches: int) -> None:
+    """Equal stages, free communication: (M + S - 1)(F + B), every rank idle (S - 1)/(M + S - 1)."""
+    f, b = 1.0, 2.0
+    result = simulate(schedule_module(kind, stages, microbatches, fwd_s=f, bwd_s=b))
+    assert result.iteration_s == pytest.approx((microbatches + stages - 1) * (f + b))
+    for bubble in result.bubble_fraction:
+        assert bubble == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert critical_compute_s(result) == pytest.approx(result.iteration_s)
+
+
+def critical_compute_s(result: SimulationResult) -> float:
+    """Compute time along the critical path: the whole iteration when communication is free."""
+    programs = result.module.programs
+    return sum(
+        result.ends[r][i] - result.starts[r][i]
+        for r, i in result.critical_path
+        if programs[r].instrs[i].kind in COMPUTE
+    )
+
+
+@pytest.mark.parametrize(("devices", "microbatches", "virtual"), [(2, 4, 2), (4, 8, 2), (4, 16, 3), (3, 6, 4)])
+def test_interleaved_matches_megatron_closed_form(devices: int, microbatches: int, virtual: int) -> None:
+    """Megatron-LM (Narayanan et al. 2021, §2.2.2): with V chunks per device the bubble shrinks V-fold.
+
+    A device's whole-model share costs F + B per microbatch (each chunk F/V and B/V), so the ideal is
+    M(F + B) and the iteration is M(F + B) + (S - 1)(F + B)/V; the bubble fraction relative to the
+    ideal time is (S - 1)/(V M). Assumes M is a multiple of S and communication is free.
+    """
+    f, b = 1.0, 2.0
+    module = interleaved_module(devices, microbatches, virtual, fwd_s=f / virtual, bwd_s=b / virtual)
+    result = simulate(module)
+    ideal = microbatches * (f + b)
+    assert result.iteration_s == pytest.approx(ideal + (devices - 1) * (f + b) / virtual)
+    assert (result.iteration_s - ideal) / ideal == pytest.approx((devices - 1) / (virtual * microbatches))
+    assert critical_compute_s(result) == pytest.approx(result.iteration_s)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
+def test_zb_h1_matches_zero_bubble_paper(stages: int, microbatches: int) -> None:
+    """Zero Bubble (Qi et al., ICLR 2024, §2.1): ZB-H1's bubble is (p - 1)(T_F + T_B - T_W).
+
+    T_B is the input-gradient pass and T_W the weight-gradient pass; the paper's setting has
+    T_F = T_B = T_W = T, so the bubble is (p - 1) T, a third of 1f1b's (p - 1)(T_F + T_B + T_W).
+    Here a stage's full backward is 2T split evenly (f = 0.5), and M >= p.
+    """
+    t = 1.0
+    result = simulate(schedule_module("zb-h1", stages, microbatches, fwd_s=t, bwd_s=2 * t))
+    t_f, t_b, t_w = t, t, t
+    assert result.iteration_s == pytest.approx(microbatches * (t_f + t_b + t_w) + (stages - 1) * (t_f + t_b - t_w))
+    assert critical_compute_s(result) == pytest.approx(result.iteration_s)
+    one_f_one_b = simulate(schedule_module("1f1b", stages, microbatches, fwd_s=t, bwd_s=2 * t))
+    ideal = microbatches * 3 * t
+    assert result.iteration_s - ideal == pytest.approx((one_f_one_b.iteration_s - ideal) / 3)
+
+
+def test_backward_input_fraction_splits_backward() -> None:
+    module = schedule_module("zb-h1", 1, 1, fwd_s=1.0, bwd_s=4.0)
+    result = simulate(module, backward_input_fraction=0.25)
+    times = {e.instr.kind: e.end_s - e.start_s for e in result.events()}
+    assert times[BI] == pytest.approx(1.0)
+    assert times[W] == pytest.approx(3.0)
+
+
+def test_microbatch_size_scales_compute_time() -> None:
+    """Op times describe cost_batch samples: a microbatch of half as many takes half the time."""
+    module = schedule_module("1f1b", 2, 4, fwd_s=1.0, bwd_s=2.0, batch=8, microbatch_size=4)
+    assert simulate(module).iteration_s == pytest.approx((4 + 2 - 1) * 1.5)
+
+
+# -------------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize(("kind", "stages", "microbatches"), [("1f1b", 4, 8), ("gpipe", 3, 5), ("zb-h1", 4, 8)])
+def test_peak_activations_match_schedule_bound(kind: str, stages: int, microbatches: int) -> None:
+    """1f1b holds min(S - s, M) microbatches' activations on stage s; gpipe all M; zb-h1 no more than 1f1b's max."""
+    act = 1000.0
+    result = simulate(schedule_module(kind, stages, microbatches, act_bytes=act))
+    for s, peak in enumerate(result.peak_bytes):
+        if kind == "1f1b":
+            assert peak == act * min(stages - s, microbatches)
+        elif kind == "gpipe":
+            assert peak == act * microbatches
+        else:
+            assert peak <= act * min(stages, microbatches)
+
+
+# ------------------------------------------------------------------ hand-computed with links
+
+
+def small_cluster(devices: int = 2) -> ClusterSpec:
+    """One node of `devices` devices, 100 MB/s links with 1 ms latency, 12 kB/s memory bandwidth."""
+    kind = DeviceKind("test", 1e12, {"f32": 1e12}, 12_000.0)
+    link = Link(100e6, 1e-3)
+    return ClusterSpec((kind,), devices, link, Link(10e6, 1e-2), name="test")
+
+
+def test_two_stages_two_microbatches_by_hand() -> None:
+    """2 stages, 2 microbatches (1f1b), a 100 MB/s link with 1 ms latency; worked out on paper.
+
+    b = 4 of batch 8: F = 2.0 * 4/8 = 1 s, B = 4.0 * 4/8 = 2 s; h0 moves 40e6 * 4/8 = 20e6 bytes in
+    1 ms + 0.2 s = 0.201 s. Rank 0's step: sgd streams 3 * 4000 B of parameters at 12 kB/s = 1 s.
+      rank 0: F0 0-1 (h0 at 1.201), F1 1-2 (h0 at 2.201), B0 4.402-6.402, B1 7.402-9.402, step -10.402
+      rank 1: F0 1.201-2.201, B0 -4.201 (grad at 4.402), F1 -5.201, B1 -7.201 (grad at 7.402), step 0 s
+    Memory: act 800 B at batch 8 -> 400 B per microbatch; received tensors 20e6 B; static 2 * 4000 B.
+    """
+    order = [one_f_one_b_order(s, 2, 2) for s in range(2)]
+    module = pipeline_module(
+        2, 2, order, fwd_s=2.0, bwd_s=4.0, act_bytes=800.0, out_bytes=40e6, microbatch_size=4, param_elems=1000
+    )
+    module.stages[1].ops[0].attrs.params = None  # only stage 0 holds a parameter
+    module.params = module.params[:1]
+    result = simulate(module, cluster=small_cluster())
+    assert result.iteration_s == pytest.approx(10.402)
+    assert result.busy_s == pytest.approx([1 + 1 + 2 + 2 + 1, 1 + 2 + 1 + 2])
+    computes = {(e.rank, e.instr.kind, e.instr.mb): (e.start_s, e.end_s) for e in result.events()}
+    assert computes[(0, B, 0)] == pytest.approx((4.402, 6.402))
+    assert computes[(1, F, 1)] == pytest.approx((4.201, 5.201))
+    assert computes[(0, InstrKind.OPTIMIZER_STEP, None)] == pytest.approx((9.402, 10.402))
+    assert result.peak_bytes == pytest.approx([8000 + 2 * 400 + 20e6, 20e6 + 400])
+    path = [(r, module.programs[r].instrs[i]) for r, i in result.critical_path]
+    chain = [(r, i.kind, i.mb) for r, i in path if i.kind in (F, B, InstrKind.OPTIMIZER_STEP)]
+    assert chain == [
+        (0, F, 0),
+        (1, F, 0),
+        (1, B, 0),
+        (1, F, 1),
+        (1, B, 1),
+        (0, B, 1),
+        (0, InstrKind.OPTIMIZER_STEP, None),
+    ]
+
+
+def test_allreduce_waits_for_the_whole_group() -> None:
+    """Replica 0 runs microbatches 0 and 2, replica 1 only 1: the ring starts when replica 0 arrives.
+
+    The two ranks sit on different nodes (10 MB/s, 10 ms): 2(n-1)/n * 4e6 B / 10e6 B/s + 2(n-1) * 10 ms.
+    """
+    x = Op("x", OpKind.INPUT, [], TensorType("f32", (2, 4)))
+    h = Op("h", OpKind.CALL_MODULE, [x], x.type, "lin", OpAttrs(fwd_s=1.0, bwd_s=2.0, params=("w",)))
+    loss = Op("loss", OpKind.OUTPUT, [h], h.type)
+    stage = Stage("s0", [x, h, loss], StageAttrs(replicas=2, devices=(0, 2)))
+    module = Module(
+        "dp",
+        [Param("w", TensorType("f32", (1_000_000,)))],
+        [x, h, loss],
+        stages=[stage],
+        attrs=ModuleAttrs(microbatches=3, optimizer="sgd"),
+    )
+    for rank, mbs in enumerate(([0, 2], [1])):
+        instrs = [Instr(kind, stage, mb=m) for m in mbs for kind in (F, B)]
+        instrs.append(Instr(InstrKind.ALLREDUCE, stage, group=(0, 1)))
+        module.programs.append(RankProgram(f"rank{rank}", instrs, ProgramAttrs(rank=rank, device=2 * rank)))
+    verify_module(module)
+    cluster = ClusterSpec((small_cluster().node_kinds[0],) * 2, 2, Link(100e6, 1e-3), Link(10e6, 1e-2))
+    result = simulate(module, cluster=cluster)
+    ring = 2 * 1 / 2 * 4e6 / 10e6 + 2 * 1 * 1e-2
+    assert result.iteration_s == pytest.approx(6.0 + ring)
+    reduce_events = [e for e in result.events() if e.instr.kind is InstrKind.ALLREDUCE]
+    times = [t for e in reduce_events for t in (e.start_s, e.end_s)]
+    assert times == pytest.approx([6.0, 6.0 + ring, 3.0, 6.0 + ring])
+    assert result.bubble_fraction[1] == pytest.approx(1 - 3.0 / (6.0 + ring))
+
+
+def test_send_does_not_block_the_sender() -> None:
+    """A slow link delays the receiver only: rank 0's next forward starts when the send issues."""
+    order = [gpipe_order(s, 2, 2) for s in range(2)]
+    module = pipeline_module(2, 2, order, out_bytes=1e9)  # 1e9 B over 100 MB/s: 10 s per transfer
+    result = simulate(module, cluster=small_cluster())
+    starts = {(e.rank, e.instr.kind, e.instr.mb): e.start_s for e in result.events()}
+    assert starts[(0, F, 1)] == pytest.approx(1.0)
+    assert starts[(1, F, 0)] == pytest.approx(1.0 + 10.001)
+    assert starts[(1, F, 1)] == pytest.approx(2.0 + 10.001)
+
+
+def test_deadlock_names_the_stuck_ranks() -> None:
+    order = [[(F, 0, 0)], [(F, 1, 0)]]
+    module = pipeline_module(2, 1, order)
+    # Make rank 0 wait for something rank 1 never sends.
+    module.programs[0].instrs.insert(0, Instr(InstrKind.RECV, value=module.ops[2], grad=True, mb=0, peer=1))
+    with pytest.raises(DappleError, match=r"deadlock[\s\S]*rank 0 waits at instruction 0[\s\S]*rank 1 waits"):
+        simulate(module)
+
+
+def test_plan_without_programs_is_refused() -> None:
+    with pytest.raises(DappleError, match="no rank programs"):
+        simulate(Module("empty"))
+
+
+def test_reads_ir_file_and_plan_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    module = schedule_module("1f1b", 3, 4)
+    (tmp_path / "plan.dapple").write_text(print_module(module))
+    expected = (4 + 3 - 1) * 3.0
+    assert simulate(tmp_path).iteration_s == pytest.approx(expected)
+    assert simulate(str(tmp_path / "plan.dapple")).iteration_s == pytest.approx(expected)
+    assert math.isclose(simulate(module, cluster="1x4xV100-16GB").iteration_s, expected, rel_tol=1e-6)
+
+
+def test_summary_lists_every_rank() -> None:
+    text = simulate(schedule_module("1f1b", 4, 8)).summary()
+    lines = text.splitlines()
+    assert len(lines) == 1 + 4 + 1
+    assert "27.3" in lines[1]  # bubble (S-1)/(M+S-1) = 3/11
+
+
+def test_simulator_imports_neither_torch_nor_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dapple_ir.simulator, dapple_ir.timeline, dapple_ir.commands.simulate; "
+        "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
