@@ -133,10 +133,15 @@ def _excerpt(text: str, line: int, column: int) -> str:
     return f"    {source}\n    {' ' * max(column - 1, 0)}^"
 
 
-def _attr_kind(record: type[AttrRecord], name: str) -> str:
-    """The declared type of attribute `name` as text (`int | None`), or '' if there is none."""
-    hints = typing.get_type_hints(record)
-    return str(hints.get(name, ""))
+@functools.cache
+def _attr_kinds(record: type[AttrRecord]) -> dict[str, str]:
+    """Declared type of each attribute of `record` as text (`int | None`); resolved once per record."""
+    return {name: str(hint) for name, hint in typing.get_type_hints(record).items()}
+
+
+@functools.cache
+def _attr_names(record: type[AttrRecord]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(record))  # type: ignore[arg-type]
 
 
 class _ModuleBuilder:
@@ -303,7 +308,7 @@ class _ModuleBuilder:
     def attrs(self, record: typing.Any, tree: typing.Any) -> typing.Any:
         assert isinstance(tree, Tree)
         values: dict[str, object] = {}
-        names = [f.name for f in fields(record)]  # type: ignore[arg-type]
+        names = _attr_names(record)
         for attr in tree.children:
             assert isinstance(attr, Tree)
             key_tok, value_tree = attr.children
@@ -313,7 +318,7 @@ class _ModuleBuilder:
                 raise self.error(key_tok, f"unknown attribute {key!r} here; valid: {', '.join(names)}")
             if key in values:
                 raise self.error(key_tok, f"attribute {key!r} is given twice")
-            values[key] = self.attr_value(key_tok, _attr_kind(record, key), value_tree)
+            values[key] = self.attr_value(key_tok, _attr_kinds(record).get(key, ""), value_tree)
         return record(**values)
 
     def attr_value(self, key: Token, kind: str, tree: Tree) -> object:
