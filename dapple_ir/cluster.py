@@ -26,6 +26,9 @@ class DeviceKind:
     """Peak FLOP/s by dtype short name (`f32`, `f16`, `bf16`)."""
     mem_bandwidth: float
     """Memory bandwidth in bytes/s."""
+    op_overhead: float = 0.0
+    """Fixed seconds each op call costs on top of its roofline (dispatch, kernel launch); it
+    dominates small ops on a CPU. `dapple calibrate` measures it."""
 
     def flops(self, dtype: str = "f32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])
@@ -54,8 +57,10 @@ PRESETS: dict[str, DeviceKind] = {
     ),
     "H100": DeviceKind("H100", 80 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 3350e9),
     "H200": DeviceKind("H200", 141 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 4800e9),
-    # A conservative CPU core pair; `dapple calibrate` measures this machine and overrides it.
-    "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9),
+    # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
+    # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
+    # dispatch and autograd) on the 2-core dev VM when idle. Calibrate your machine for its own.
+    "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9, op_overhead=10e-6),
 }
 
 #: Default links by device kind: (intra-node, inter-node). DAPPLE: 25 GB/s in a server, ~1 GB/s P2P
@@ -69,6 +74,12 @@ DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {
     "H200": (Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
     "cpu": (Link(5 * GB, 50e-6), Link(1 * GB, 100e-6)),
 }
+
+
+#: Fraction of peak an op class reaches when a cluster spec does not say (`dapple calibrate` fits them).
+#: Matmul-like kernels reach well under peak FLOP/s; elementwise ops are bandwidth-bound, and the
+#: bandwidth term of the roofline already describes them.
+DEFAULT_EFFICIENCY: dict[str, float] = {"matmul": 0.6, "conv": 0.5, "attention": 0.5, "elementwise": 0.8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +98,11 @@ class ClusterSpec:
     """The shorthand or file it came from, for reports."""
     efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of peak reached per op class (`matmul`, `conv`, `elementwise`, ...), fitted by calibrate."""
+
+    def efficiency_of(self, op_class: str | None) -> float:
+        """Fraction of peak (FLOP/s and bandwidth) that ops of `op_class` reach on this cluster."""
+        name = op_class or "matmul"
+        return self.efficiency.get(name, DEFAULT_EFFICIENCY.get(name, DEFAULT_EFFICIENCY["matmul"]))
 
     @property
     def nodes(self) -> int:

@@ -6,6 +6,8 @@ compute times linearly by b / cost_batch (DAPPLE's planner does the same).
 
 from __future__ import annotations
 
+import math
+
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module, Op
 
@@ -15,9 +17,23 @@ OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 
 def optimizer_state_factor(optimizer: str | None) -> float:
     name = (optimizer or "adam").lower()
+    custom = _as_factor(name)
+    if custom is not None:
+        return custom  # a bare number is the multiplier itself (`optimizer = "3"` for Adam + master weights)
     if name not in OPTIMIZER_STATE:
-        raise DappleError(f"unknown optimizer '{optimizer}'; known: {', '.join(OPTIMIZER_STATE)}")
+        raise DappleError(
+            f"unknown optimizer '{optimizer}'; known: {', '.join(OPTIMIZER_STATE)}, or a number of state bytes "
+            "per parameter byte"
+        )
     return OPTIMIZER_STATE[name]
+
+
+def _as_factor(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def static_bytes(module: Module, ops: list[Op]) -> float:

@@ -1,0 +1,123 @@
+"""Reading a plan directory: `plan.json` (JSON) and `plan.dapple` (IR text), checked against each other.
+
+Nothing in a plan is executable or unpickled: the JSON and the IR text are parsed, and the rank
+files `rank_<r>.py` are run only when they are byte-for-byte what `codegen` writes for the IR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapple_ir.errors import DappleError
+from dapple_ir.ir import Module
+from dapple_ir.parser import parse_module
+
+PLAN_JSON = "plan.json"
+PLAN_IR = "plan.dapple"
+
+
+@dataclass
+class Plan:
+    """A loaded plan directory."""
+
+    dir: Path
+    module: Module
+    meta: dict[str, Any]
+    """The contents of plan.json."""
+    ir_sha256: str
+    """SHA-256 of plan.dapple's bytes."""
+
+    @property
+    def ranks(self) -> int:
+        return len(self.module.programs)
+
+    @property
+    def microbatches(self) -> int:
+        return int(self.meta.get("microbatches") or self.module.attrs.microbatches or 1)
+
+    @property
+    def microbatch_size(self) -> int:
+        size = self.meta.get("microbatch_size") or self.module.attrs.microbatch_size
+        if not size:
+            raise DappleError(f"{self.dir / PLAN_JSON} gives no microbatch_size")
+        return int(size)
+
+    @property
+    def global_batch(self) -> int:
+        return self.microbatches * self.microbatch_size
+
+    @property
+    def model_spec(self) -> str:
+        spec = self.meta.get("model_spec") or self.module.attrs.source
+        if not spec:
+            raise DappleError(f"{self.dir / PLAN_JSON} names no model_spec, so the model cannot be rebuilt")
+        return str(spec)
+
+    @property
+    def seed(self) -> int:
+        return int(self.meta.get("seed", 0))
+
+    def stage_nodes(self) -> dict[str, list[str]]:
+        """IR op names of each stage, from plan.dapple."""
+        return {s.name: [op.name for op in s.ops] for s in self.module.stages}
+
+
+def ir_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_plan(plan_dir: str | Path) -> Plan:
+    """Load and cross-check a plan directory; every problem is a `DappleError` naming the file."""
+    path = Path(plan_dir)
+    if not path.is_dir():
+        raise DappleError(f"plan directory {path} does not exist; create one with `dapple compile ... -o {path}`")
+    json_path, ir_path = path / PLAN_JSON, path / PLAN_IR
+    for needed in (json_path, ir_path):
+        if not needed.is_file():
+            raise DappleError(f"plan file {needed} is missing; recompile the plan with `dapple compile`")
+    try:
+        meta = json.loads(json_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DappleError(f"{json_path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); was it edited?") from exc
+    if not isinstance(meta, dict):
+        raise DappleError(f"{json_path} must hold a JSON object")
+    text = ir_path.read_text()
+    module = parse_module(text, str(ir_path))
+    plan = Plan(path, module, meta, ir_digest(text))
+    _cross_check(plan)
+    return plan
+
+
+def _cross_check(plan: Plan) -> None:
+    json_path = plan.dir / PLAN_JSON
+    module = plan.module
+    if not module.programs:
+        raise DappleError(f"{plan.dir / PLAN_IR} holds no rank programs; the plan was not lowered")
+    recorded = plan.meta.get("ir_sha256")
+    if recorded and recorded != plan.ir_sha256:
+        raise DappleError(f"{plan.dir / PLAN_IR} was edited after compilation (its hash differs from plan.json)")
+    ranks = plan.meta.get("ranks")
+    count = len(ranks) if isinstance(ranks, list) else ranks
+    if count is not None and count != plan.ranks:
+        raise DappleError(f"{json_path} says {count} ranks but {PLAN_IR} holds {plan.ranks} rank programs")
+    for field in ("microbatches", "microbatch_size"):
+        value = plan.meta.get(field)
+        ir_value = getattr(module.attrs, field)
+        if value is not None and ir_value is not None and value != ir_value:
+            raise DappleError(f"{json_path} field {field} = {value} disagrees with {PLAN_IR} ({field} = {ir_value})")
+    stages = plan.meta.get("stages")
+    if not isinstance(stages, list):
+        return
+    ir_stages = plan.stage_nodes()
+    if len(stages) != len(ir_stages):
+        raise DappleError(f"{json_path} lists {len(stages)} stages but {PLAN_IR} has {len(ir_stages)}")
+    for i, (entry, (name, nodes)) in enumerate(zip(stages, ir_stages.items(), strict=True)):
+        json_nodes = entry.get("nodes") if isinstance(entry, dict) else None
+        if json_nodes is not None and list(json_nodes) != nodes:
+            raise DappleError(
+                f"{json_path} stages[{i}].nodes disagrees with stage @{name} in {PLAN_IR}: one of them was edited"
+            )

@@ -1,0 +1,438 @@
+"""The small runtime that generated rank files call: one method per IR instruction kind.
+
+A `Runtime` holds one rank's stage modules, optimizer, and three stores keyed by `(value, mb)`:
+values (computed, received or loaded), gradients of values (accumulated from local consumer
+stages and received ones), and per-`(stage, mb)` forward records (input leaves, outputs, the
+scaled loss; the autograd graph hangs off them). Stage boundaries cut autograd: every value a stage
+reads from outside becomes a fresh leaf, and its gradient is handed on explicitly — by `send grad`
+to another rank, or through the gradient store to a stage on this rank.
+
+It measures as it goes: a span per instruction (the simulator's trace schema) and the bytes it
+holds after each instruction (CPU: parameters, gradients, optimizer state, stored values and the
+tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from dapple_ir.backends.torch.data import microbatch
+from dapple_ir.backends.torch.stage_module import StageModule
+from dapple_ir.backends.torch.transport import Pending, Transport, TransportError
+
+from dapple_ir.errors import DappleError
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+#: Learning rate when neither the command line nor plan.json gives one (torch's own defaults; SGD has none).
+DEFAULT_LR = {"sgd": 0.01, "sgd-momentum": 0.01, "adam": 1e-3, "adamw": 1e-3}
+
+
+def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The optimizer both the pipeline and the reference use (single-tensor code paths, for exactness)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=False)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, foreach=False)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    raise DappleError(f"unknown optimizer '{name}'; choose one of {', '.join(OPTIMIZERS)}")
+
+
+@dataclass
+class _Record:
+    """What the forward of one stage on one microbatch left for its backward."""
+
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    saved: dict[int, int] = field(default_factory=dict)
+    """Bytes of the tensors autograd saved, by storage address."""
+    deferred: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+    """Outputs and their gradients kept by `backward_input` for `backward_weight`."""
+
+
+@dataclass
+class Span:
+    """A measured instruction (absolute wall-clock seconds; the launcher rebases them)."""
+
+    kind: str
+    track: str
+    start: float
+    end: float
+    stage: str | None
+    mb: int | None
+    peer: int | None
+    index: int
+
+
+@dataclass
+class StepData:
+    """Supplies each step's global batch as a flat tuple: model inputs, then targets."""
+
+    batch_of_step: Callable[[int], tuple[Any, ...]]
+    input_index: dict[str, int]
+    """Position in the flat tuple of each IR input op."""
+    microbatch_size: int
+    _step: int = -1
+    _flat: tuple[Any, ...] = ()
+
+    def value(self, name: str, step: int, mb: int) -> Any:
+        if step != self._step:
+            self._flat, self._step = self.batch_of_step(step), step
+        return microbatch((self._flat[self.input_index[name]],), mb, self.microbatch_size)[0]
+
+
+class Runtime:
+    """One rank's executor. Rank files call its instruction methods in program order, once per step."""
+
+    def __init__(
+        self,
+        rank: int,
+        stages: dict[str, StageModule],
+        transport: Transport,
+        data: StepData,
+        *,
+        microbatches: int,
+        value_ids: dict[str, int],
+        optimizer: str,
+        lr: float,
+        timeout: float,
+        device: torch.device,
+        tied: set[str] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.stages = stages
+        self.transport = transport
+        self.data = data
+        self.microbatches = microbatches
+        self.value_ids = value_ids
+        self.timeout = timeout
+        self.device = device
+        self.tied = tied or set()
+        unique: dict[int, torch.nn.Parameter] = {}
+        for sm in stages.values():
+            sm.graph_module.to(device)
+            for p in sm.params.values():
+                unique.setdefault(id(p), p)
+        self.params = list(unique.values())
+        # A stage of parameter-free ops (an activation, the loss) has nothing to step.
+        self.optimizer = make_optimizer(optimizer, self.params, lr) if self.params else None
+        self.step = 0
+        self.values: dict[tuple[str, int], Any] = {}
+        self.grads: dict[tuple[str, int], torch.Tensor] = {}
+        self.records: dict[tuple[str, int], _Record] = {}
+        self.pending: list[Pending] = []
+        self.reduced: set[tuple[int, tuple[int, ...]]] = set()
+        self.losses: dict[int, dict[int, float]] = {}
+        self.spans: list[Span] = []
+        self.memory: list[tuple[float, int]] = []
+        self.peak_bytes = 0
+        self.step_times: dict[int, tuple[float, float]] = {}
+        self._index = 0
+        self._current: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------------------ the step loop
+
+    def run_step(self, train_step: Callable[[Runtime], None]) -> None:
+        """Run one optimizer step of the rank program, then check nothing was left in flight."""
+        start = time.time()
+        self._index = 0
+        self.reduced.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        train_step(self)
+        for pending in self.pending:
+            pending.wait(self.timeout)
+        self.pending.clear()
+        # Whatever the program did not free (a plan without insert-frees) goes now.
+        self.values.clear()
+        self.grads.clear()
+        self.records.clear()
+        if self.device.type == "cuda":
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+        self.step_times[self.step] = (start, time.time())
+        self.step += 1
+
+    # ------------------------------------------------------------------------------ instructions
+
+    def load_microbatch(self, mb: int) -> None:
+        with self._instr("load_microbatch", None, mb, None):
+            for sm in self.stages.values():
+                for name in sm.data_inputs:
+                    self.values[(name, mb)] = self._to_device(self.data.value(name, self.step, mb))
+
+    def forward(self, stage: str, mb: int) -> None:
+        with self._instr("forward", stage, mb, None):
+            sm = self._stage(stage)
+            rec = _Record()
+            args = [self._leaf(sm, name, mb, rec) for name in sm.inputs]
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                rec.saved[storage.data_ptr()] = storage.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                results = sm.graph_module(*args)
+            for name, value in zip(sm.outputs, results, strict=False):
+                rec.outputs[name] = value
+                self.values[(name, mb)] = value
+            if sm.has_loss:
+                loss = results[-1]
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    raise DappleError(
+                        f"the loss of microbatch {mb} at step {self.step} is {loss_value} (stage @{stage}); "
+                        "training diverged (lower the learning rate) or the data holds NaN/inf"
+                    )
+                self.losses.setdefault(self.step, {})[mb] = loss_value
+                # Scaling each microbatch by 1/M makes the summed gradients those of the global batch.
+                rec.loss = loss / self.microbatches
+            self.records[(stage, mb)] = rec
+
+    def backward(self, stage: str, mb: int) -> None:
+        with self._instr("backward", stage, mb, None):
+            rec = self._record(stage, mb)
+            outs, grads = self._output_grads(stage, mb, rec)
+            if outs:
+                torch.autograd.backward(outs, grads)
+            for name, leaf in rec.leaves.items():
+                self._add_grad(name, mb, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+            self._release(rec)
+
+    def backward_input(self, stage: str, mb: int) -> None:
+        with self._instr("backward_input", stage, mb, None):
+            rec = self._record(stage, mb)
+            outs, grads = self._output_grads(stage, mb, rec)
+            rec.deferred = (outs, grads)
+            leaves = list(rec.leaves.items())
+            if not outs or not leaves:
+                return
+            found = torch.autograd.grad(outs, [leaf for _, leaf in leaves], grads, retain_graph=True, allow_unused=True)
+            for (name, leaf), g in zip(leaves, found, strict=True):
+                self._add_grad(name, mb, g if g is not None else torch.zeros_like(leaf))
+
+    def backward_weight(self, stage: str, mb: int) -> None:
+        with self._instr("backward_weight", stage, mb, None):
+            rec = self._record(stage, mb)
+            if rec.deferred is None:
+                raise DappleError(f"backward_weight @{stage} mb = {mb} comes before its backward_input")
+            outs, grads = rec.deferred
+            params = [p for p in self._stage(stage).params.values() if p.requires_grad]
+            if outs and params:
+                # Only the parameters accumulate: the input gradients were taken by backward_input.
+                torch.autograd.backward(outs, grads, inputs=params)
+            self._release(rec)
+
+    def send(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+        with self._instr("send", None, mb, peer):
+            payload = self._grad_to_send(value, mb) if grad else self._value(value, mb, "send")
+            if isinstance(payload, torch.Tensor):
+                payload = payload.detach()
+            self.pending.append(self.transport.isend(payload, peer, self._tag(value, mb, grad)))
+
+    def recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+        with self._instr("recv", None, mb, peer):
+            payload = self._to_device(self.transport.recv(peer, self._tag(value, mb, grad), self.timeout))
+            if grad:
+                self._add_grad(value, mb, payload)
+            else:
+                self.values[(value, mb)] = payload
+
+    def free(self, value: str, mb: int, grad: bool = False) -> None:
+        with self._instr("free", None, mb, None):
+            store: dict[tuple[str, int], Any] = self.grads if grad else self.values
+            store.pop((value, mb), None)
+
+    def free_stage(self, stage: str, mb: int) -> None:
+        with self._instr("free", stage, mb, None):
+            self.records.pop((stage, mb), None)
+
+    def allreduce(self, stage: str, group: tuple[int, ...]) -> None:
+        with self._instr("allreduce", stage, None, None):
+            # Tied parameters are left to their own `allreduce param` over every rank holding a copy.
+            params = [p for name, p in self._stage(stage).params.items() if name not in self.tied]
+            self._reduce(params, tuple(group))
+
+    def allreduce_param(self, param: str, group: tuple[int, ...]) -> None:
+        with self._instr("allreduce", param, None, None):
+            held = {id(sm.params[param]): sm.params[param] for sm in self.stages.values() if param in sm.params}
+            if not held:
+                raise DappleError(f"allreduce param @{param}: no stage on this rank holds that parameter")
+            self._reduce(list(held.values()), tuple(group))
+
+    def optimizer_step(self) -> None:
+        with self._instr("optimizer_step", None, None, None):
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    @contextmanager
+    def _instr(self, kind: str, stage: str | None, mb: int | None, peer: int | None) -> Iterator[None]:
+        start = time.time()
+        index = self._index
+        self._index += 1
+        try:
+            yield
+        except TransportError:
+            raise
+        except DappleError as exc:
+            raise DappleError(f"rank {self.rank}, step {self.step}, {_describe(kind, stage, mb, peer)}: {exc}") from exc
+        except Exception as exc:
+            raise DappleError(
+                f"rank {self.rank}, step {self.step}, {_describe(kind, stage, mb, peer)} raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        end = time.time()
+        track = "comm" if kind in ("send", "recv", "allreduce") else "compute"
+        self.spans.append(Span(kind, track, start, end, stage, mb, peer, index))
+        if self.device.type == "cuda":
+            # The allocator's peak is read once per step (run_step); here only the curve for the timeline.
+            self.memory.append((end, torch.cuda.memory_allocated(self.device)))
+        else:
+            held = self.held_bytes()
+            self.peak_bytes = max(self.peak_bytes, held)
+            self.memory.append((end, held))
+
+    def held_bytes(self) -> int:
+        """Bytes of every tensor the runtime holds on the CPU, each storage counted once."""
+        seen: dict[int, int] = {}
+
+        def add(t: Any) -> None:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+
+        for p in self.params:
+            add(p)
+            add(p.grad)
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
+            for t in state.values():
+                add(t)
+        for v in self.values.values():
+            add(v)
+        for g in self.grads.values():
+            add(g)
+        for rec in self.records.values():
+            seen.update(rec.saved)
+            for leaf in rec.leaves.values():
+                add(leaf.grad)
+        return sum(seen.values())
+
+    def _stage(self, stage: str) -> StageModule:
+        if stage not in self.stages:
+            raise DappleError(f"stage @{stage} is not hosted on rank {self.rank}")
+        return self.stages[stage]
+
+    def _record(self, stage: str, mb: int) -> _Record:
+        rec = self.records.get((stage, mb))
+        if rec is None:
+            raise DappleError(f"no forward of @{stage} mb = {mb} to take the backward of (freed or never run)")
+        return rec
+
+    def _leaf(self, sm: StageModule, name: str, mb: int, rec: _Record) -> Any:
+        if name in sm.data_inputs:
+            if (name, mb) not in self.values:
+                self.values[(name, mb)] = self._to_device(self.data.value(name, self.step, mb))
+            return self.values[(name, mb)]
+        value = self._value(name, mb, f"forward @{sm.name}")
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+            return value
+        leaf = value.detach().requires_grad_(True)
+        rec.leaves[name] = leaf
+        return leaf
+
+    def _value(self, name: str, mb: int, user: str) -> Any:
+        if (name, mb) not in self.values:
+            raise DappleError(f"{user} needs %{name} of microbatch {mb}, which was neither received nor computed here")
+        return self.values[(name, mb)]
+
+    def _output_grads(self, stage: str, mb: int, rec: _Record) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        outs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if rec.loss is not None:
+            outs.append(rec.loss)
+            grads.append(None)
+        for name, out in rec.outputs.items():
+            g = self.grads.get((name, mb))
+            if g is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                continue
+            outs.append(out)
+            grads.append(g)
+        return outs, grads
+
+    def _add_grad(self, name: str, mb: int, g: torch.Tensor) -> None:
+        key = (name, mb)
+        self.grads[key] = self.grads[key] + g if key in self.grads else g
+
+    def _grad_to_send(self, name: str, mb: int) -> torch.Tensor:
+        if (name, mb) in self.grads:
+            return self.grads[(name, mb)]
+        value = self._value(name, mb, "send grad")
+        if isinstance(value, torch.Tensor):
+            # No stage here depended on it differentiably: its gradient is zero.
+            return torch.zeros_like(value)
+        raise DappleError(f"%{name} is not a tensor, so it has no gradient to send")
+
+    def _release(self, rec: _Record) -> None:
+        rec.outputs.clear()
+        rec.loss = None
+        rec.saved.clear()
+        rec.deferred = None
+
+    def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...]) -> None:
+        # A parameter shared by two stages of this rank is reduced once per group and step.
+        params = [p for p in params if (id(p), group) not in self.reduced]
+        self.reduced.update((id(p), group) for p in params)
+        if len(group) < 2 or not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.transport.allreduce(flat, group, self.timeout)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def _tag(self, value: str, mb: int, grad: bool) -> int:
+        if value not in self.value_ids:
+            raise DappleError(f"%{value} is not a value of the plan")
+        return (self.value_ids[value] * 2 + int(grad)) * self.microbatches + mb
+
+    def _to_device(self, value: Any) -> Any:
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "stages": {name: sm.graph_module.state_dict() for name, sm in self.stages.items()},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("rank") != self.rank:
+            raise DappleError(f"checkpoint holds rank {state.get('rank')}'s state, not rank {self.rank}'s")
+        for name, sm in self.stages.items():
+            if name not in state["stages"]:
+                raise DappleError(f"checkpoint of rank {self.rank} lacks stage @{name}: it belongs to another plan")
+            sm.graph_module.load_state_dict(state["stages"][name])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+
+def _describe(kind: str, stage: str | None, mb: int | None, peer: int | None) -> str:
+    text = kind + (f" @{stage}" if stage else "") + (f" mb = {mb}" if mb is not None else "")
+    return text + (f" (peer rank {peer})" if peer is not None else "")

@@ -1,0 +1,354 @@
+"""What one rank does: rebuild its stages from the model spec, run its rank file for N steps, report.
+
+Used in-process by the threads transport and, under torchrun, as the worker entry point:
+`python -m torch.distributed.run --nproc-per-node R -m dapple_ir.backends.torch.worker PLAN_DIR --run-dir DIR ...`
+(that is what `dapple run` launches). A worker writes `rank_<r>.json` (losses, peak memory, spans)
+and `rank_<r>_params.pt` into the run directory, or `error_rank_<r>.json` when it fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from dapple_ir.backends.torch.codegen import rank_sources
+from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
+from dapple_ir.backends.torch.plan_files import Plan, load_plan
+from dapple_ir.backends.torch.runtime import DEFAULT_LR, OPTIMIZERS, Runtime, StepData
+from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
+from dapple_ir.backends.torch.transport import Transport, TransportError
+
+from dapple_ir.errors import DappleError
+from dapple_ir.ir import InstrKind, Module, OpKind
+
+
+@dataclass
+class RunOptions:
+    """Choices of one run that every rank shares."""
+
+    steps: int
+    optimizer: str
+    lr: float
+    timeout: float
+    run_dir: str
+    save: str | None = None
+    resume: str | None = None
+    device: str = "cpu"
+    """`cpu` or `cuda`."""
+
+
+@dataclass
+class Prepared:
+    """The model rebuilt from the plan's spec and seed, captured, with its data source."""
+
+    model: torch.nn.Module
+    graph_module: torch.fx.GraphModule
+    example_inputs: tuple[Any, ...]
+    """Positional, then keyword example inputs."""
+    example_targets: tuple[Any, ...]
+    data_fn: DataFn | None
+    """`dapple_data` of the spec's file, if it defines one."""
+    input_index: dict[str, int]
+    """Position of each graph input (IR input op) in the flat tuple inputs + targets."""
+    structure_hash: str
+
+    def batch_of_step(self, step: int, global_batch: int, seed: int) -> tuple[Any, ...]:
+        """The flat global batch (inputs, then targets) of `step`."""
+        if self.data_fn is None:
+            inputs, targets = synthetic_batch(self.example_inputs, self.example_targets, global_batch, seed, step)
+        else:
+            inputs, targets = self.data_fn(step, global_batch, seed)
+            check_batch(tuple(inputs), tuple(targets), global_batch, "dapple_data")
+        return (*inputs, *targets)
+
+
+#: Captures already made in this process, by (spec, seed, method, spec file mtime). Ranks and runs deep-copy
+#: the model before training, so the cached one keeps its initial values.
+_PREPARED: dict[tuple[str, int, str, float], Prepared] = {}
+
+
+def prepare_model(plan: Plan) -> Prepared:
+    """Build the model exactly as the single-device reference does, capture it, check the plan's hash."""
+    method = plan.module.attrs.capture_method or "auto"
+    spec_file = Path(plan.model_spec.rpartition(":")[0])
+    key = (plan.model_spec, plan.seed, method, spec_file.stat().st_mtime if spec_file.is_file() else 0.0)
+    if key not in _PREPARED:
+        _PREPARED[key] = _prepare(plan, method)
+    prepared = _PREPARED[key]
+    recorded = plan.meta.get("model_hash")
+    if recorded and recorded != prepared.structure_hash:
+        raise DappleError(
+            f"the model that {plan.model_spec} builds no longer matches the plan in {plan.dir} (structure hash "
+            "differs): the model changed since the plan was compiled; recompile the plan"
+        )
+    return prepared
+
+
+def _prepare(plan: Plan, method: str) -> Prepared:
+    from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
+
+    loaded = load_model_spec(plan.model_spec, device="cpu", seed=plan.seed)
+    if not isinstance(loaded, FactoryResult):
+        raise DappleError(f"model spec {plan.model_spec} is an imported profile: it can be planned, not run")
+    captured = capture_loaded(loaded, method=method)
+    kwargs = loaded.example_kwargs or {}
+    examples = (*loaded.example_inputs, *kwargs.values())
+    targets = loaded.example_targets
+    placeholders = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(examples) + len(targets):
+        raise DappleError(
+            f"the captured graph of {plan.model_spec} takes {len(placeholders)} inputs but the factory gives "
+            f"{len(examples) + len(targets)} example inputs and targets"
+        )
+    return Prepared(
+        loaded.model,
+        captured.graph_module,
+        examples,
+        targets,
+        data_function(plan.model_spec),
+        {n: i for i, n in enumerate(placeholders)},
+        structure_hash(captured.module),
+    )
+
+
+def hosted_stages(module: Module, rank: int) -> list[str]:
+    program = module.programs[rank]
+    if program.attrs.stages:
+        return list(program.attrs.stages)
+    names: list[str] = []
+    for instr in program.instrs:
+        if instr.kind is InstrKind.FORWARD and instr.stage is not None and instr.stage.name not in names:
+            names.append(instr.stage.name)
+    return names
+
+
+def tied_params(module: Module) -> set[str]:
+    """Parameters read by ops of more than one stage (each such stage holds its own copy)."""
+    readers: dict[str, set[str]] = {}
+    for stage in module.stages:
+        for op in stage.ops:
+            names = set(op.attrs.params or ())
+            if op.kind is OpKind.GET_ATTR and op.target:
+                names.add(op.target)
+            for name in names:
+                readers.setdefault(name, set()).add(stage.name)
+    return {name for name, stages in readers.items() if len(stages) > 1}
+
+
+def build_runtime(
+    plan: Plan, rank: int, prepared: Prepared, transport: Transport, options: RunOptions, device: torch.device
+) -> Runtime:
+    """Rank `rank`'s runtime: its stages cut from a private copy of the model (nothing shared with other ranks)."""
+    model, graph_module = copy.deepcopy((prepared.model, prepared.graph_module))
+    names = model_param_names(model)
+    nodes = plan.stage_nodes()
+    stages: dict[str, StageModule] = {}
+    for name in hosted_stages(plan.module, rank):
+        stages[name] = split_stage(graph_module, name, nodes[name], names)
+    del model, graph_module
+    value_ids = {op.name: i for i, op in enumerate(plan.module.ops)}
+    data = StepData(
+        lambda step: prepared.batch_of_step(step, plan.global_batch, plan.seed),
+        prepared.input_index,
+        plan.microbatch_size,
+    )
+    return Runtime(
+        rank,
+        stages,
+        transport,
+        data,
+        microbatches=plan.microbatches,
+        value_ids=value_ids,
+        optimizer=options.optimizer,
+        lr=options.lr,
+        timeout=options.timeout,
+        device=device,
+        tied=tied_params(plan.module),
+    )
+
+
+def check_rank_file(plan: Plan, rank: int) -> str:
+    """The source of `rank_<r>.py`, which must be exactly what codegen makes of plan.dapple."""
+    path = plan.dir / f"rank_{rank}.py"
+    expected = rank_sources(plan.module, plan.ir_sha256)[rank]
+    if not path.is_file():
+        raise DappleError(f"rank {rank}: {path} is missing; recompile the plan (or re-emit the rank files)")
+    if path.read_text() != expected:
+        raise DappleError(
+            f"rank {rank}: {path} differs from what plan.dapple generates (edited, or plan.dapple changed "
+            "since it was written); recompile the plan"
+        )
+    return expected
+
+
+def rank_train_step(plan: Plan, rank: int) -> Callable[[Runtime], None]:
+    """`train_step` of `rank_<r>.py`; only a file identical to what codegen writes is ever run."""
+    source = check_rank_file(plan, rank)
+    namespace: dict[str, Any] = {"__name__": f"dapple_rank_{rank}"}
+    exec(compile(source, str(plan.dir / f"rank_{rank}.py"), "exec"), namespace)
+    return namespace["train_step"]  # type: ignore[no-any-return]
+
+
+def train_rank(plan: Plan, rank: int, rt: Runtime, options: RunOptions) -> dict[str, Any]:
+    """Resume if asked, run the steps, save if asked; returns the rank's report (JSON data)."""
+    train_step = rank_train_step(plan, rank)
+    if options.resume:
+        load_checkpoint(rt, Path(options.resume), plan)
+    for _ in range(options.steps):
+        rt.run_step(train_step)
+    if options.save:
+        save_checkpoint(rt, Path(options.save), plan)
+    return {
+        "rank": rank,
+        "device": str(rt.device),
+        "losses": {str(k): {str(m): v for m, v in mbs.items()} for k, mbs in rt.losses.items()},
+        "peak_bytes": rt.peak_bytes,
+        "spans": [asdict(s) for s in rt.spans],
+        "memory": rt.memory,
+        "step_times": {str(k): v for k, v in rt.step_times.items()},
+        "stages": list(rt.stages),
+    }
+
+
+def final_params(rt: Runtime) -> dict[str, torch.Tensor]:
+    """Every parameter copy the rank holds, keyed `stage/name`, on the CPU."""
+    held = {}
+    for stage, sm in rt.stages.items():
+        for name, p in sm.params.items():
+            held[f"{stage}/{name}"] = p.detach().cpu().clone()
+    return held
+
+
+def save_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    state = rt.state_dict()
+    state["plan_sha256"] = plan.ir_sha256
+    torch.save(state, directory / f"rank_{rt.rank}.pt")
+
+
+def load_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
+    path = directory / f"rank_{rt.rank}.pt"
+    if not path.is_file():
+        raise DappleError(f"rank {rt.rank}: checkpoint {path} does not exist")
+    # weights_only: a checkpoint holds tensors and plain data, never arbitrary objects.
+    state = torch.load(path, map_location=rt.device, weights_only=True)
+    if state.get("plan_sha256") != plan.ir_sha256:
+        raise DappleError(f"rank {rt.rank}: checkpoint {path} was saved by a different plan; resume with the same plan")
+    rt.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ error reports
+
+
+def error_report(rank: int, exc: BaseException) -> dict[str, Any]:
+    """What a failing rank writes: its message, and whether it is only the echo of another failure."""
+    message = str(exc) if isinstance(exc, DappleError) else f"rank {rank}: {type(exc).__name__}: {exc}"
+    if not message.startswith(f"rank {rank}"):
+        message = f"rank {rank}: {message}"
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "secondary": isinstance(exc, TransportError),
+        "message": message,
+        "traceback": traceback.format_exception(exc),
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------ torchrun entry
+
+
+def resolve_optimizer(plan: Plan, optimizer: str | None, lr: float | None) -> tuple[str, float]:
+    """The optimizer and learning rate of a run: given ones, else plan.json's, else sgd / torch's defaults."""
+    name = (optimizer or plan.meta.get("optimizer") or plan.module.attrs.optimizer or "sgd").lower()
+    if name not in OPTIMIZERS:
+        raise DappleError(f"unknown optimizer '{name}'; choose one of {', '.join(OPTIMIZERS)}")
+    return name, float(lr if lr is not None else plan.meta.get("lr", DEFAULT_LR[name]))
+
+
+def worker_flags(options: RunOptions) -> list[str]:
+    """The command-line flags of `main` that reproduce `options`."""
+    flags = [f"--steps={options.steps}", f"--optimizer={options.optimizer}", f"--lr={options.lr!r}"]
+    flags += [f"--timeout={options.timeout!r}", f"--run-dir={options.run_dir}", f"--device={options.device}"]
+    flags += [f"--save={options.save}"] if options.save else []
+    flags += [f"--resume={options.resume}"] if options.resume else []
+    return flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run one rank of a plan (start it with torchrun, one process per rank; `dapple run` does).",
+        epilog="example:\n  torchrun --nproc-per-node 4 -m dapple_ir.backends.torch.worker plans/gpt --steps 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("plan_dir")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--optimizer", help="default: plan.json's, else sgd")
+    parser.add_argument("--lr", type=float, help="default: plan.json's, else torch's default for the optimizer")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may last")
+    parser.add_argument("--run-dir", help="where ranks report (default PLAN_DIR/run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--save")
+    parser.add_argument("--resume")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(args.run_dir or Path(args.plan_dir) / "run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        optimizer, lr = resolve_optimizer(load_plan(args.plan_dir), args.optimizer, args.lr)
+        options = RunOptions(args.steps, optimizer, lr, args.timeout, str(run_dir), args.save, args.resume, args.device)
+        report, params = _run_torchrun_rank(args.plan_dir, rank, options)
+    except BaseException as exc:
+        write_json(run_dir / f"error_rank_{rank}.json", error_report(rank, exc))
+        print(f"dapple worker: {error_report(rank, exc)['message']}", file=sys.stderr)
+        return 1
+    torch.save(params, run_dir / f"rank_{rank}_params.pt")
+    write_json(run_dir / f"rank_{rank}.json", report)
+    return 0
+
+
+def _run_torchrun_rank(plan_dir: str, rank: int, options: RunOptions) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    import datetime
+
+    import torch.distributed as dist
+    from dapple_ir.backends.torch.transport import DistTransport
+
+    plan = load_plan(plan_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.ranks:
+        raise DappleError(f"the plan in {plan.dir} has {plan.ranks} ranks but {world} processes were launched")
+    use_cuda = options.device == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    prepared = prepare_model(plan)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=options.timeout))
+    groups = [tuple(i.group) for p in plan.module.programs for i in p.instrs if i.group]
+    transport = DistTransport(groups, device)
+    try:
+        rt = build_runtime(plan, rank, prepared, transport, options, device)
+        report = train_rank(plan, rank, rt, options)
+        transport.finish(options.timeout)
+        return report, final_params(rt)
+    finally:
+        transport.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Plan quality: our planner vs the plans a user would pick instead, in the same simulator.
+
+For every profile in ../shared/profiles and every example model (its large builder, captured on the
+meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x8 H100 cluster:
+
+- ours: the `plan` pass's search (DP + ILP + baselines, best few ranked by the simulator), its
+  simulated iteration time;
+- each baseline of `dapple_ir.baselines` (data parallel, uniform, parameter-balanced, time-balanced,
+  PipeDream's planner), lowered with the same schedule passes and simulated the same way;
+- speed-up = baseline simulated time / ours (above 1: ours is faster); "no fit" when the
+  baseline's best plan does not fit in device memory;
+- the ILP bound: CP-SAT (`planner_ilp.solve_ilp`, append-first placement) at our plan's stage count,
+  microbatch count and schedule, within a time limit: its proven lower bound on the cost model's
+  iteration time ("optimal" when it closed the gap), and our plan's cost-model estimate's gap to
+  it. A negative gap means our plan lies outside the ILP's model (another placement policy) and
+  beats its optimum.
+
+    .venv/bin/python bench/plan_quality.py [--quick] [--json PATH] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+
+PROFILES = Path("/work/shared/profiles")
+CLUSTERS = ("2x8xV100-16GB", "16x1xV100-16GB", "4x8xH100")
+EXAMPLES = ("mlp", "gpt", "cnn", "kwargs_dict", "control_flow")
+BASELINE_NAMES = ("data-parallel", "uniform", "parameter-balanced", "time-balanced", "pipedream")
+
+
+def profile_files() -> list[Path]:
+    here = ROOT.parent / "shared" / "profiles"
+    folder = here if here.is_dir() else PROFILES
+    return sorted(folder.glob("*.txt"))
+
+
+def load_models(quick: bool) -> list[tuple[str, Any, int]]:
+    """(name, module before costs, global batch) for every model."""
+    from dapple_ir.profile_import import import_profile
+
+    models: list[tuple[str, Any, int]] = []
+    files = profile_files()
+    # Quick: VGG-19 alone (26 layers: the auto search skips its ILP stage, so it plans in seconds).
+    for f in [f for f in files if "vgg-19" in f.name][:1] if quick else files:
+        module = import_profile(str(f))
+        # Two samples per device and DAPPLE's 16 devices: a global batch where pipelining matters.
+        models.append((f.stem, module, 32 * int(module.attrs.batch or 1)))
+    from dapple_ir.model_spec import capture_spec
+
+    for name in () if quick else EXAMPLES:
+        spec = f"examples/{name}.py:{'factory' if quick else 'factory_large'}"
+        try:
+            module = capture_spec(str(ROOT / spec), device="meta")
+        except Exception as exc:  # one model that no longer captures must not hide the others
+            models.append((f"{name} (capture failed: {str(exc).splitlines()[0][:80]})", None, 0))
+            continue
+        models.append((f"examples/{name}", module, 16 * int(module.attrs.batch or 1)))
+    return models
+
+
+def ilp_bound(problem: Any, stages: int, microbatches: int, schedule: str, time_limit_s: float) -> tuple[float, str]:
+    """CP-SAT's proven lower bound on the cost model's iteration time at this stage and microbatch count."""
+    from dapple_ir.planner_ilp import solve_ilp
+
+    found = solve_ilp(problem, stages, microbatches, schedule, time_limit_s)
+    if found is None:
+        return math.inf, "no solution"
+    _cand, est, note = found
+    gap = re.search(r"gap ([0-9.]+)%", note)
+    return est.iteration_s * (1 - (float(gap.group(1)) / 100 if gap else 0.0)), note
+
+
+def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) -> dict[str, Any]:
+    from dapple_ir.baselines import all_baselines
+    from dapple_ir.cluster import resolve_cluster
+    from dapple_ir.pass_manager import PassManager, build_pipeline
+    from dapple_ir.pipeline_cost import problem_from_module
+    from dapple_ir.planner_search import Request, lower_and_simulate, search
+    from dapple_ir.registry import PassContext
+
+    base = copy.deepcopy(module)
+    base.attrs.global_batch = global_batch
+    front = "coarsen" if base.attrs.capture_method == "profile" else "annotate-cost,coarsen"
+    PassManager(build_pipeline(front)).run(base, PassContext(cluster=cluster_name, log=lambda _m: None))
+    cluster = resolve_cluster(cluster_name)
+    problem = problem_from_module(base, cluster, global_batch)
+    started = time.perf_counter()
+    outcome = search(copy.deepcopy(base), problem, Request())
+    plan_s = time.perf_counter() - started
+    chosen = outcome.chosen
+    result: dict[str, Any] = {
+        "layers": problem.layers,
+        "plan": _describe(chosen.cand),
+        "ours_s": chosen.time_s,
+        "ours_est": chosen.estimate.iteration_s,
+        "plan_s": plan_s,
+        "baselines": {},
+    }
+    found = all_baselines(problem)
+    for name in BASELINE_NAMES:
+        if name not in found:
+            result["baselines"][name] = "none"
+            continue
+        cand, est = found[name]
+        if not est.fits:
+            result["baselines"][name] = "no fit"
+            continue
+        result["baselines"][name] = lower_and_simulate(base, problem, cand)[0]
+    result["ilp_bound"], result["ilp_note"] = ilp_bound(
+        problem, len(chosen.cand.stages), chosen.cand.microbatches, chosen.cand.schedule, ilp_s
+    )
+    return result
+
+
+def _describe(cand: Any) -> str:
+    """`S=4 R=8,4,3,1 M=128` (`R=1 each` when no stage is replicated)."""
+    replicas = list(cand.replicas)
+    shown = f"{replicas[0]} each" if len(set(replicas)) == 1 else ",".join(map(str, replicas))
+    return f"S={len(replicas)} R={shown} M={cand.microbatches}"
+
+
+def _ratio(baseline: Any, ours: float) -> float | str:
+    return baseline / ours if isinstance(baseline, float) else baseline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one profile on one cluster, no example capture")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds; cases not reached are marked")
+    parser.add_argument("--ilp-seconds", type=float, default=5.0, help="CP-SAT time limit per case for the bound")
+    args = parser.parse_args(argv)
+    started = time.time()
+    models = load_models(args.quick)
+    clusters = CLUSTERS[:1] if args.quick else CLUSTERS
+    table = Table(
+        "Plan quality: speed-up of our plan over each baseline (baseline simulated time / ours)",
+        ["model", "cluster", "layers", "our plan", "ours s", *BASELINE_NAMES, "ILP bound s", "gap to bound",
+         "plan s"],
+    )  # fmt: skip
+    ratios: dict[str, list[float]] = {b: [] for b in BASELINE_NAMES}
+    gaps: list[float] = []
+    # Cluster-major order: when the budget runs out, every model has its 2x8 V100 row.
+    for cluster in clusters:
+        for name, module, gb in models:
+            if module is None:
+                table.add(name, cluster, *["-"] * 3, *[unavailable("model did not capture")] * 5, "-", "-", "-")
+                continue
+            if time.time() - started > args.budget:
+                table.add(name, cluster, *["-"] * 3, *["not run: budget spent"] * 5, "-", "-", "-")
+                continue
+            try:
+                r = one_case(module, gb, cluster, args.ilp_seconds)
+            except Exception as exc:  # a planner error on one case is a finding, not a crash
+                table.add(name, cluster, "-", unavailable(str(exc).splitlines()[0][:100]), *["-"] * 9)
+                continue
+            cells = [_ratio(r["baselines"][b], r["ours_s"]) for b in BASELINE_NAMES]
+            for b, c in zip(BASELINE_NAMES, cells, strict=True):
+                if isinstance(c, float):
+                    ratios[b].append(c)
+            gap = r["ours_est"] / r["ilp_bound"] - 1 if math.isfinite(r["ilp_bound"]) else None
+            if gap is not None:
+                gaps.append(gap)
+            gap_cell = f"{100 * gap:+.1f}% ({r['ilp_note']})" if gap is not None else "no ILP solution"
+            bound_cell = r["ilp_bound"] if math.isfinite(r["ilp_bound"]) else "-"
+            table.add(name, cluster, r["layers"], r["plan"], r["ours_s"], *cells, bound_cell, gap_cell, r["plan_s"])
+    table.notes += [
+        "global batch: 32 x the profile batch for profiles, 16 x the example batch for examples; Adam memory model.",
+        "ours = the plan pass's search (dapple_ir.planner_search.search), which also considers the baselines; "
+        "every time is the simulator's, for plans lowered by the same schedule/lower-comm/insert-frees passes.",
+        f"ILP bound: CP-SAT over append-first placements at our plan's stages, microbatches and schedule, "
+        f"{args.ilp_seconds:g} s limit; the gap compares it with our plan's cost-model estimate (negative: our plan "
+        "uses another placement policy and beats the ILP's optimum).",
+    ]
+    summary = Table("Median and worst speed-up over each baseline", ["baseline", "cases", "median", "worst", "best"])
+    for b in BASELINE_NAMES:
+        rs = ratios[b]
+        summary.add(b, len(rs), median(rs), min(rs, default=math.nan), max(rs, default=math.nan))
+    report = Report("plan_quality", "Plan quality vs baselines", [table, summary])
+    for b in BASELINE_NAMES:
+        if ratios[b]:
+            report.headlines.append(
+                f"vs {b}: median {median(ratios[b]):.2f}x, worst {min(ratios[b]):.2f}x over {len(ratios[b])} cases"
+            )
+    if gaps:
+        report.headlines.append(
+            f"gap to the ILP bound: median {100 * median(gaps):+.1f}%, worst {100 * max(gaps):+.1f}%"
+        )
+    plot = _plot(table, plot_path(args.json, "plan_quality.png"))
+    if plot:
+        report.plots.append(plot)
+    report.seconds = time.time() - started
+    report.print()
+    if args.json:
+        report.save(args.json)
+    return 0
+
+
+def _plot(table: Table, path: Path) -> str | None:
+    """Grouped bars per cluster: speed-up over each baseline, one group per model; 1.0 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clusters = list(dict.fromkeys(str(r[1]) for r in table.rows))
+    if not clusters:
+        return None
+    first = table.columns.index(BASELINE_NAMES[0])
+    fig, axes = plt.subplots(len(clusters), 1, figsize=(13, 3.6 * len(clusters)), squeeze=False)
+    width = 0.8 / len(BASELINE_NAMES)
+    for ax, cluster in zip(axes[:, 0], clusters, strict=True):
+        rows = [r for r in table.rows if r[1] == cluster]
+        labels = [str(r[0]).replace("examples/", "ex:") for r in rows]
+        for k, b in enumerate(BASELINE_NAMES):
+            values = [r[first + k] if isinstance(r[first + k], float) else 0.0 for r in rows]
+            xs = [i + (k - len(BASELINE_NAMES) / 2 + 0.5) * width for i in range(len(rows))]
+            ax.bar(xs, values, width, label=b)
+            for x, r in zip(xs, rows, strict=True):
+                if r[first + k] == "no fit":
+                    ax.text(x, 0.05, "OOM", rotation=90, ha="center", va="bottom", fontsize=6)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, rotation=15, fontsize=8)
+        ax.set_ylabel("speed-up of ours (x)")
+        ax.set_title(f"{cluster}: baseline time / our time (above 1 = ours faster; OOM = baseline does not fit)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(ncol=len(BASELINE_NAMES), fontsize=8, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

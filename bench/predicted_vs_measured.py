@@ -1,0 +1,188 @@
+"""Predicted vs measured iteration time on this machine's CPU, after `dapple calibrate`.
+
+1. `dapple profile` the benchmark MLP at the microbatch size (one thread, as every rank runs) and
+   `dapple calibrate --device cpu --devices P --fit profile.json` writes a cluster TOML for this machine.
+2. `dapple compile --cluster cluster.toml` a few plans (stages, schedule and microbatches forced, the
+   planner choosing cuts and replication) and `dapple_ir.simulate(plan_dir)` predicts an iteration.
+3. `dapple_ir.run(plan_dir, transport="torchrun")` trains each plan with one process per rank; the
+   measured iteration is global batch / samples/s (steps after the first). Plans run interleaved, round
+   by round, and each figure is the median over rounds.
+
+Target: prediction within 15% of the measurement.
+
+    .venv/bin/python bench/predicted_vs_measured.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+
+DAPPLE = str(ROOT / ".venv" / "bin" / "dapple")
+MICROBATCH = 32
+
+
+def calibrate(spec: str, devices: int, work: Path) -> Path:
+    """Profile `spec` and calibrate this machine for `devices` ranks; the cluster TOML's path."""
+    profile, toml = work / "profile.json", work / "cluster.toml"
+    steps = [
+        [DAPPLE, "profile", spec, "--device", "cpu", "--microbatch", str(MICROBATCH), "--threads", "1", "--quiet",
+         "-o", str(profile)],
+        [DAPPLE, "calibrate", "--device", "cpu", "--devices", str(devices), "--fit", str(profile), "-o", str(toml)],
+    ]  # fmt: skip
+    for cmd in steps:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cmd[1]} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+    return toml
+
+
+def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> float:
+    """Compile one plan; its simulated iteration time."""
+    import dapple_ir
+
+    dapple_ir.compile(
+        spec, cluster=str(cluster), global_batch=plan["m"] * MICROBATCH, stages=plan["stages"],
+        microbatches=plan["m"], schedule=plan["schedule"], optimizer="sgd", out_dir=out,
+    )  # fmt: skip
+    return float(dapple_ir.simulate(out).iteration_s)
+
+
+def measure(plan_dir: Path, steps: int, global_batch: int) -> float:
+    import dapple_ir
+
+    result = dapple_ir.run(plan_dir, steps=steps, transport="torchrun", optimizer="sgd", device="cpu")
+    return global_batch / result.samples_per_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny MLP, one plan, one round")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each plan (interleaved)")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds; no new round starts past it")
+    args = parser.parse_args(argv)
+    started = time.time()
+    spec = f"{BENCH / 'bench_models.py'}:{'mlp_tiny' if args.quick else 'mlp_bench'}"
+    plans: list[dict[str, Any]] = [
+        {"stages": 2, "schedule": "1f1b", "m": 8},
+        {"stages": 2, "schedule": "gpipe", "m": 8},
+        {"stages": 2, "schedule": "zb-h1", "m": 8},
+        {"stages": 1, "schedule": "1f1b", "m": 8},
+    ]
+    if args.quick:
+        plans = plans[:1]
+    rounds, steps = (1, 2) if args.quick else (args.rounds, 6)
+    table = Table(
+        "Simulated vs measured iteration time on this CPU (2 ranks, calibrated cluster)",
+        ["stages", "schedule", "M", "ranks", "predicted s", "measured s", "predicted / measured", "error"],
+    )
+    report = Report("predicted_vs_measured", "Predicted vs measured iteration time", [table])
+    errors: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="dapple-bench-pvm-") as tmp:
+        work = Path(tmp)
+        try:
+            cluster = calibrate(spec, 2, work)
+        except Exception as exc:
+            table.add("-", "-", "-", "-", unavailable(str(exc).splitlines()[0][:160]), "-", "-", "-")
+            report.print()
+            if args.json:
+                report.save(args.json)
+            return 0
+        predicted: dict[int, float] = {}
+        ranks: dict[int, int] = {}
+        failures: dict[int, str] = {}
+        for i, plan in enumerate(plans):
+            try:
+                predicted[i] = compile_plan(spec, cluster, plan, work / f"plan{i}")
+                ranks[i] = int(json.loads((work / f"plan{i}" / "plan.json").read_text())["ranks"])
+            except Exception as exc:
+                failures[i] = unavailable(str(exc).splitlines()[0][:160])
+        measured: dict[int, list[float]] = {i: [] for i in predicted}
+        for k in range(rounds):
+            if k > 0 and time.time() - started > args.budget:
+                break  # fewer rounds, never none
+            for i in predicted:  # round-robin over plans: each sees the same background load
+                if i in failures:
+                    continue
+                try:
+                    measured[i].append(measure(work / f"plan{i}", steps, plans[i]["m"] * MICROBATCH))
+                except Exception as exc:
+                    failures[i] = unavailable(str(exc).splitlines()[0][:160])
+        for i, plan in enumerate(plans):
+            head = [plan["stages"], plan["schedule"], plan["m"], ranks.get(i, "-")]
+            if i in failures or not measured.get(i):
+                table.add(*head, predicted.get(i, "-"), failures.get(i, "not measured"), "-", "-")
+                continue
+            meas = median(measured[i])
+            err = predicted[i] / meas - 1
+            errors.append(abs(err))
+            table.add(*head, predicted[i], meas, predicted[i] / meas, f"{100 * err:+.1f}%")
+    table.notes += [
+        f"model {Path(spec).name}; microbatch {MICROBATCH}; SGD; cluster from `dapple calibrate --devices 2 --fit` "
+        f"on a `dapple profile` at microbatch {MICROBATCH} with 1 thread.",
+        f"measured = global batch / samples/s of `dapple run` (torchrun, gloo), {steps} steps, median of {rounds} "
+        "interleaved round(s).",
+    ]
+    if errors:
+        worst = max(errors)
+        report.headlines.append(
+            f"simulated vs measured iteration: median error {100 * median(errors):.1f}%, worst {100 * worst:.1f}% "
+            f"(target 15%: {'met' if worst <= 0.15 else 'missed'})"
+        )
+    plot = _plot(table, plot_path(args.json, "predicted_vs_measured.png"))
+    if plot:
+        report.plots.append(plot)
+    report.seconds = time.time() - started
+    report.print()
+    if args.json:
+        report.save(args.json)
+    return 0
+
+
+def _plot(table: Table, path: Path) -> str | None:
+    """Predicted against measured, one labelled point per plan, the y = x line and the 15% band."""
+    p_k, m_k = table.columns.index("predicted s"), table.columns.index("measured s")
+    rows = [r for r in table.rows if isinstance(r[p_k], float) and isinstance(r[m_k], float)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    top = max(max(float(r[p_k] or 0), float(r[m_k] or 0)) for r in rows) * 1.2
+    ax.plot([0, top], [0, top], color="black", linewidth=0.8, label="predicted = measured")
+    ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="tab:green", alpha=0.15, label="within 15%")
+    for r in rows:
+        ax.plot(float(r[m_k] or 0), float(r[p_k] or 0), "o", color="tab:blue")
+        ax.annotate(f"S={r[0]} {r[1]} M={r[2]}", (float(r[m_k] or 0), float(r[p_k] or 0)), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured iteration (s)")
+    ax.set_ylabel("simulated iteration (s)")
+    ax.set_title("Simulator vs dapple run on this CPU")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

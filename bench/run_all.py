@@ -1,0 +1,189 @@
+"""Run every benchmark within its time budget and regenerate BENCHMARKS.md and bench/results/*.png.
+
+Each benchmark runs as its own process with a time limit (a benchmark that overruns or fails becomes
+a "not available" section that says why; the others still run). Benchmarks that write a JSON report
+(`--json`) become tables; the others' printed output is included verbatim. The whole run fits in
+30 minutes on a 2-core machine.
+
+    .venv/bin/python bench/run_all.py                 # everything (`make bench`)
+    .venv/bin/python bench/run_all.py --quick         # every benchmark in its quick mode
+    .venv/bin/python bench/run_all.py --only memory,plan_quality --out /tmp/B.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from tables import Report, load_report  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark script: its budget, its arguments, and whether it writes a JSON report."""
+
+    name: str
+    budget_s: float
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ("--quick",)
+    json: bool = True
+
+
+# Budgets add up to 30 minutes; each is a hard limit, and a script's own --budget stays below it so that
+# it finishes its table in time.
+BENCHES = (
+    Bench("plan_quality", 300, ("--budget", "250")),
+    Bench("compile_time", 300, ("--budget", "250")),
+    Bench("memory", 150),
+    Bench("predicted_vs_measured", 200, ("--budget", "120")),
+    Bench("runtime_vs_torch_pipelining", 330, ("--budget", "280")),
+    Bench("capture_large", 150, ("--repeats", "2")),
+    Bench("profile_accuracy", 120, (), (), json=False),
+    Bench("simulator_speed", 90, ("--repeats", "3"), ("--repeats", "1"), json=False),
+    Bench("planner", 150, (), ("--layers", "24"), json=False),
+)
+
+
+@dataclass
+class Outcome:
+    bench: Bench
+    seconds: float
+    report: Report | None = None
+    output: str = ""
+    failure: str = ""
+
+
+def run_one(bench: Bench, quick: bool, results: Path) -> Outcome:
+    script = BENCH / f"{bench.name}.py"
+    if not script.is_file():
+        return Outcome(bench, 0.0, failure=f"not available: {script.relative_to(ROOT)} does not exist")
+    json_path = results / f"{bench.name}.json"
+    json_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(script), *(bench.quick_args if quick else bench.args)]
+    if bench.json:
+        cmd += ["--json", str(json_path)]
+    started = time.time()
+    print(f"[run_all] {bench.name}: {' '.join(cmd[1:])} (budget {bench.budget_s:.0f} s)", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=bench.budget_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return Outcome(
+            bench, time.time() - started, output=out, failure=f"not available: over its {bench.budget_s:.0f} s budget"
+        )
+    seconds = time.time() - started
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return Outcome(bench, seconds, output=proc.stdout, failure=f"not available: exit {proc.returncode}: {tail[0]}")
+    report = load_report(json_path) if bench.json and json_path.is_file() else None
+    return Outcome(bench, seconds, report=report, output=proc.stdout)
+
+
+def machine() -> list[tuple[str, str]]:
+    cpu = platform.processor() or "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = "unknown"
+    for line in Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").exists() else []:
+        if line.startswith("MemTotal"):
+            mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return [
+        ("CPU", cpu),
+        ("cores", str(os.cpu_count())),
+        ("memory", mem),
+        ("torch", torch_version),
+        ("python", platform.python_version()),
+        ("OS", f"{platform.system()} {platform.release()}"),
+        ("commit", (commit.stdout.strip() or "unknown") + " (plus the working tree's uncommitted changes)"),
+    ]
+
+
+def render(outcomes: list[Outcome], info: list[tuple[str, str]], loads: tuple[str, str], quick: bool, out: Path) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    total = sum(o.seconds for o in outcomes)
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `make bench` (`bench/run_all.py{' --quick' if quick else ''}`) on {now} in {total / 60:.1f} "
+        "minutes; do not edit by hand. Every figure is a median of repeated runs, every ratio is measured "
+        "within one run (the two sides interleaved A B A B); nothing here is a timed test.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *[f"| {k} | {v} |" for k, v in info],
+        f"| load average (1 min) | {loads[0]} at start, {loads[1]} at end |",
+        "",
+        "A load average above the core count means other processes shared the cores while these figures "
+        "were taken: absolute times are then noisy, ratios measured side by side less so.",
+        "",
+        "## Headlines",
+        "",
+    ]
+    for o in outcomes:
+        if o.report:
+            lines += [f"- **{o.bench.name}**: {h}" for h in o.report.headlines]
+        elif o.failure:
+            lines.append(f"- **{o.bench.name}**: {o.failure}")
+    for o in outcomes:
+        title = o.report.title if o.report else o.bench.name.replace("_", " ")
+        lines += ["", f"## {title}", "", f"`bench/{o.bench.name}.py` — {o.seconds:.0f} s.", ""]
+        if o.failure:
+            lines += [o.failure, ""]
+        if o.report:
+            for table in o.report.tables:
+                lines += [table.markdown(), ""]
+            lines += [f"![{Path(p).stem}]({os.path.relpath(p, out.resolve().parent)})" for p in o.report.plots]
+        elif o.output.strip():
+            lines += ["```", o.output.strip(), "```"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def load_average() -> str:
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="every benchmark in its quick mode")
+    parser.add_argument("--only", help="comma-separated benchmark names (default: all)")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file to write")
+    parser.add_argument("--results", default=str(BENCH / "results"), help="folder for the JSON reports")
+    args = parser.parse_args(argv)
+    chosen = set(args.only.split(",")) if args.only else None
+    unknown = (chosen or set()) - {b.name for b in BENCHES}
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    start_load = load_average()
+    outcomes = [run_one(b, args.quick, results) for b in BENCHES if chosen is None or b.name in chosen]
+    text = render(outcomes, machine(), (start_load, load_average()), args.quick, Path(args.out))
+    Path(args.out).write_text(text)
+    print(f"[run_all] wrote {args.out} ({sum(o.seconds for o in outcomes) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

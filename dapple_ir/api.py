@@ -1,0 +1,208 @@
+"""`compile`: a model spec (or module) and a cluster in, a plan directory out.
+
+result = dapple_ir.compile("examples/gpt.py:factory", cluster="2x8xV100-16GB", global_batch=64,
+                           out_dir="plans/gpt")
+print(result.report)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dapple_ir.errors import DappleError, PlanError
+from dapple_ir.ir import Module, OpKind
+from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.printer import print_module
+from dapple_ir.registry import PassContext
+
+PLANNERS = ("auto", "dp", "ilp")
+
+
+@dataclass
+class CompileResult:
+    """A compiled plan: the lowered module, plan.json's contents and the human report."""
+
+    module: Module
+    plan: dict[str, Any]
+    report: str
+    explain: list[str] = field(default_factory=list)
+    out_dir: Path | None = None
+    pipeline: str = ""
+
+
+def default_pipeline(
+    *,
+    profile: bool,
+    planner: str = "auto",
+    stages: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    max_layers: int | None = None,
+) -> str:
+    """The passes up to and including `plan` (the lowering passes follow with the chosen schedule)."""
+    options = [f"method={planner}"]
+    for key, value in (("stages", stages), ("microbatches", microbatches), ("schedule", schedule), ("policy", policy)):
+        if value is not None:
+            options.append(f"{key}={value}")
+    coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
+    front = [] if profile else ["annotate-cost"]
+    return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}"])
+
+
+def compile(
+    model_spec: str | Module,
+    *,
+    cluster: str,
+    global_batch: int,
+    planner: str = "auto",
+    stages: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    pipeline: str | None = None,
+    out_dir: str | Path | None = None,
+    explain: bool = False,
+    optimizer: str = "adam",
+    profile_batch: int | None = None,
+    max_layers: int | None = None,
+    log: Any = None,
+    manager: dict[str, Any] | None = None,
+) -> CompileResult:
+    """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically."""
+    if planner not in PLANNERS:
+        raise DappleError(f"planner must be one of {', '.join(PLANNERS)}, not '{planner}'")
+    if global_batch < 1:
+        raise PlanError(f"global batch must be a positive integer, not {global_batch}")
+    if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
+        raise PlanError(
+            f"global batch {global_batch} is not divisible into {microbatches} microbatches; "
+            f"choose --microbatches among the divisors of {global_batch}"
+        )
+    module, spec_text = _load(model_spec, profile_batch)
+    from dapple_ir.model_spec import structure_hash
+
+    model_hash = structure_hash(module)
+    module.attrs.global_batch = global_batch
+    module.attrs.optimizer = optimizer
+    module.attrs.cluster = cluster
+    ctx = PassContext(cluster=cluster, log=log or (lambda _m: None))
+    options = dict(manager or {})
+    profile = module.attrs.capture_method == "profile"
+    if pipeline:
+        text = pipeline
+        PassManager(build_pipeline(text), **options).run(module, ctx)
+    else:
+        text = default_pipeline(
+            profile=profile,
+            planner=planner,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            policy=policy,
+            max_layers=max_layers,
+        )
+        PassManager(build_pipeline(text), **options).run(module, ctx)
+        lower = f"schedule{{kind={module.attrs.schedule}}},lower-comm,insert-frees,verify"
+        PassManager(build_pipeline(lower), **options).run(module, ctx)
+        text += "," + lower
+    plan = plan_json(module, spec_text, model_hash, optimizer)
+    explain_lines = ctx.reports.get("plan", [])
+    report = report_text(module, plan, explain_lines if explain else explain_lines[:8])
+    result = CompileResult(module, plan, report, explain_lines, Path(out_dir) if out_dir else None, text)
+    if out_dir is not None:
+        write_plan_dir(result, Path(out_dir), runnable=not profile)
+    return result
+
+
+def _load(model_spec: str | Module, profile_batch: int | None) -> tuple[Module, str]:
+    if isinstance(model_spec, Module):
+        return model_spec, model_spec.attrs.source or model_spec.name
+    from dapple_ir.model_spec import capture_spec
+
+    return capture_spec(model_spec, device="meta", profile_batch=profile_batch), model_spec
+
+
+def _node_name(op: Any) -> str:
+    return str(op.target) if op.kind is OpKind.LAYER and op.target else str(op.name)
+
+
+def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dict[str, Any]:
+    """plan.json's contents (the field names are fixed: other tools read them)."""
+    peaks = {
+        str(p.attrs.device if p.attrs.device is not None else k): float(p.attrs.peak_bytes or 0.0)
+        for k, p in enumerate(module.programs)
+    }
+    a = module.attrs
+    return {
+        "stages": [
+            {"name": s.name, "nodes": [_node_name(op) for op in s.ops], "devices": list(s.attrs.devices or ())}
+            for s in module.stages
+        ],
+        "microbatches": a.microbatches,
+        "microbatch_size": a.microbatch_size,
+        "schedule": a.schedule,
+        "predicted_iteration_s": a.predicted_iteration_s,
+        "peak_bytes": peaks,
+        "model_spec": spec,
+        "model_hash": model_hash,
+        "cluster": a.cluster,
+        "global_batch": a.global_batch,
+        "optimizer": optimizer,
+        "ranks": len(module.programs),
+        "seed": 0,
+    }
+
+
+def report_text(module: Module, plan: dict[str, Any], explain: list[str]) -> str:
+    gb = 1e9
+    lines = [
+        f"model {plan['model_spec']} on {plan['cluster']}: global batch {plan['global_batch']} = "
+        f"{plan['microbatches']} microbatches x {plan['microbatch_size']}, schedule {plan['schedule']}, "
+        f"{plan['ranks']} ranks",
+        f"predicted iteration {plan['predicted_iteration_s']:.4f} s",
+    ]
+    peaks = plan["peak_bytes"]
+    for stage in module.stages:
+        devices = list(stage.attrs.devices or ())
+        worst = max((peaks.get(str(d), 0.0) for d in devices), default=0.0)
+        lines.append(
+            f"  stage {stage.name}: {len(stage.ops)} ops, {stage.replicas} replica(s) on devices {devices}, "
+            f"peak {worst / gb:.2f} GB"
+        )
+    if explain:
+        lines += ["", *explain]
+    return "\n".join(lines) + "\n"
+
+
+def write_plan_dir(result: CompileResult, out: Path, *, runnable: bool) -> None:
+    """Write the plan beside `out` in a temporary directory, then rename it into place."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        text = print_module(result.module)
+        (tmp / "plan.dapple").write_text(text)
+        result.plan["ir_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+        (tmp / "plan.json").write_text(json.dumps(result.plan, indent=2) + "\n")
+        (tmp / "report.txt").write_text(result.report)
+        if runnable:
+            from dapple_ir.backends.torch.codegen import emit_rank_programs
+
+            emit_rank_programs(result.module, tmp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

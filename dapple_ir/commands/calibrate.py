@@ -1,0 +1,167 @@
+"""`dapple calibrate -o cluster.toml`: measure this machine and write a cluster spec for `--cluster`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dapple_ir.cluster import DEFAULT_LINKS, ClusterSpec, DeviceKind
+from dapple_ir.errors import DappleError
+from dapple_ir.profiler import Timer
+
+#: Matmul edge and bytes copied per device type: large enough to reach the steady rate, small enough
+#: to finish in a second or two.
+_MATMUL_N = {"cpu": 1024, "cuda": 8192}
+_COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1024 * 2**20}
+#: Efficiencies are clamped to this range: a class measured far below its roofline (tiny CPU ops
+#: dominated by Python overhead) still gets a usable figure.
+_EFFICIENCY_RANGE = (0.01, 1.0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine's FLOP/s and memory bandwidth; write a cluster TOML",
+        description=(
+            "Measure f32 matmul FLOP/s and memory bandwidth of this machine's device (and, with --fit, the "
+            "fraction of the roofline each op class reaches in a `dapple profile` JSON), and write a cluster TOML "
+            "for --cluster. On a CPU each device is a process with its share of the cores."
+        ),
+        epilog=(
+            "example:\n  dapple profile examples/mlp.py:factory -o profile.json\n"
+            "  dapple calibrate --device cpu --devices 2 --fit profile.json -o cluster.toml\n"
+            "  dapple opt model.dapple -p annotate-cost --cluster cluster.toml"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--devices", type=int, help="devices (ranks) on this node (default: GPUs, or 1 on a CPU)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes like this one in the cluster (default: 1)")
+    p.add_argument("--fit", metavar="PROFILE_JSON", help="fit per-op-class efficiency from a `dapple profile` JSON")
+    p.add_argument("-o", "--output", required=True, help="cluster TOML to write")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    kind_name = "cuda" if args.device.startswith("cuda") else "cpu"
+    if kind_name == "cuda" and not torch.cuda.is_available():
+        raise DappleError("calibrate: --device cuda was asked for but torch sees no CUDA device")
+    if args.nodes < 1:
+        raise DappleError(f"calibrate: --nodes must be at least 1, not {args.nodes}")
+    devices = args.devices or (torch.cuda.device_count() if kind_name == "cuda" else 1)
+    if devices < 1:
+        raise DappleError(f"calibrate: --devices must be at least 1, not {devices}")
+    threads = torch.get_num_threads()
+    if kind_name == "cpu":
+        # Each CPU rank gets its share of the cores, so measure with that many threads.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
+    try:
+        kind = measure_device(torch.device(args.device), kind_name, devices)
+    finally:
+        torch.set_num_threads(threads)
+    intra, inter = DEFAULT_LINKS["cpu"] if kind_name == "cpu" else DEFAULT_LINKS["H100"]
+    spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
+    if args.fit:
+        spec = ClusterSpec(
+            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(args.fit, kind)
+        )
+    from dapple_ir.cluster_toml import cluster_to_toml
+
+    Path(args.output).write_text(cluster_to_toml(spec))
+    fitted = ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency.items()) or "defaults"
+    print(
+        f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s, "
+        f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
+        f"{kind.memory_bytes / 1e9:.1f} GB per device; "
+        f"efficiency: {fitted} -> {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def measure_device(device: Any, kind_name: str, devices: int = 1) -> DeviceKind:
+    """Peak f32 matmul FLOP/s and copy bandwidth of `device`, measured; a CPU's memory shared by `devices`."""
+    import torch
+
+    timer = Timer(device, repeats=3, warmup=1)
+    n = _MATMUL_N[kind_name]
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
+    if kind_name == "cuda":
+        for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            ah, bh = a.to(dtype), b.to(dtype)
+            flops[name] = 2 * n**3 / timer.time(partial(torch.mm, ah, bh))
+    count = _COPY_BYTES[kind_name] // 4
+    src = torch.empty(count, device=device).uniform_()
+    dst = torch.empty_like(src)
+    # A copy reads and writes every byte once.
+    bandwidth = 2 * count * 4 / timer.time(lambda: dst.copy_(src))
+    memory = _memory_bytes(device) / (devices if kind_name == "cpu" else 1)
+    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=_op_overhead(device, timer))
+
+
+def _op_overhead(device: Any, timer: Timer) -> float:
+    """Seconds per op call of a training step whose ops do almost no work (dispatch, autograd, launch)."""
+    import torch
+
+    depth = 16
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)]).to(device)
+    x = torch.randn(1, 4, device=device)
+
+    def step() -> None:
+        layers(x).sum().backward()
+
+    # Each Linear and the sum run once forward and once backward.
+    return timer.time(step) / (2 * (depth + 1))
+
+
+def _memory_bytes(device: Any) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
+    """Per op class: roofline seconds at full peak over measured seconds, summed over the class's ops.
+
+    The device's per-call overhead is taken off the measured times first: efficiency describes the
+    work an op does, the overhead its call.
+    """
+    from dapple_ir.passes.annotate_cost import roofline_times
+
+    compute_only = dataclasses.replace(kind, op_overhead=0.0)
+
+    try:
+        ops: dict[str, dict[str, Any]] = json.loads(Path(path).read_text())["ops"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise DappleError(f"calibrate: {path} is not a profile written by `dapple profile` ({exc})") from None
+    ideal: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    for entry in ops.values():
+        if "op_class" not in entry or "mem_bytes" not in entry:
+            continue
+        flops = (float(entry.get("fwd_flops", 0.0)), float(entry.get("bwd_flops", 0.0)))
+        fwd, bwd = roofline_times(flops, float(entry["mem_bytes"]), compute_only)
+        if fwd + bwd <= 0:
+            continue  # views: no work to be efficient at
+        calls = (fwd > 0) + (bwd > 0)
+        spent = float(entry["fwd_s"]) + float(entry["bwd_s"]) - calls * kind.op_overhead
+        op_class = str(entry["op_class"])
+        ideal[op_class] = ideal.get(op_class, 0.0) + fwd + bwd
+        measured[op_class] = measured.get(op_class, 0.0) + max(spent, 1e-9)
+    if not measured:
+        raise DappleError(f"calibrate: {path} has no ops with FLOP counts to fit efficiencies from")
+    lo, hi = _EFFICIENCY_RANGE
+    return {c: round(min(hi, max(lo, ideal[c] / measured[c])), 4) for c in sorted(measured) if measured[c] > 0}

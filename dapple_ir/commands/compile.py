@@ -1,0 +1,83 @@
+"""`dapple compile MODEL_SPEC --cluster C --global-batch N -o PLAN_DIR`: plan, lower and write a plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dapple_ir.commands.opt import add_pass_manager_flags
+from dapple_ir.errors import DappleError
+from dapple_ir.pipeline_cost import POLICIES, SCHEDULES
+from dapple_ir.registry import load_plugin
+
+_EPILOG = """examples:
+  dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
+  dapple compile profile:graph.txt --cluster 16x1xV100-16GB --global-batch 1024 -o plans/vgg --profile-batch 64
+  dapple compile examples/mlp.py:factory --cluster 4xcpu --global-batch 32 --stages 2 --microbatches 8 -o plans/mlp
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "compile",
+        help="plan a model for a cluster and write a plan directory",
+        description="Capture (or import) a model, choose stages, replicas, placement, microbatches and schedule, "
+        "lower to per-rank programs and write PLAN_DIR (plan.dapple, plan.json, report.txt, rank_<r>.py).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_pass_manager_flags(p)
+    p.add_argument(
+        "model_spec", metavar="MODEL_SPEC", help="file.py:factory, package.module:factory or profile:graph.txt"
+    )
+    p.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per optimizer step")
+    p.add_argument("-o", "--output", required=True, metavar="PLAN_DIR", help="plan directory to write (atomically)")
+    p.add_argument("--planner", choices=("auto", "dp", "ilp"), default="auto", help="search method (default auto)")
+    p.add_argument("--stages", type=int, metavar="N", help="force the number of pipeline stages")
+    p.add_argument("--microbatches", type=int, metavar="M", help="force the number of microbatches")
+    p.add_argument("--schedule", choices=SCHEDULES, help="force the schedule")
+    p.add_argument("--policy", choices=POLICIES, help="force the device placement policy")
+    p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
+    p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
+    p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "sgd-momentum"), default="adam")
+    p.add_argument("--profile-batch", type=int, metavar="N", help="batch the times of a profile: spec describe")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple_ir.api import compile as compile_plan
+
+    if not args.cluster:
+        raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
+    for plugin in args.pass_plugin:
+        load_plugin(plugin)
+    manager = {
+        "verify": not args.no_verify,
+        "print_ir_after": set(args.print_ir_after),
+        "print_ir_after_all": args.print_ir_after_all,
+        "dump_dir": Path(args.dump_dir) if args.dump_dir else None,
+        "time_passes": args.time_passes,
+    }
+    result = compile_plan(
+        args.model_spec,
+        cluster=args.cluster,
+        global_batch=args.global_batch,
+        planner=args.planner,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        policy=args.policy,
+        pipeline=args.pipeline,
+        out_dir=args.output,
+        explain=args.explain,
+        optimizer=args.optimizer,
+        profile_batch=args.profile_batch,
+        max_layers=args.max_layers,
+        log=lambda m: print(m, file=sys.stderr),
+        manager=manager,
+    )
+    sys.stdout.write(result.report)
+    print(f"wrote {args.output}/ (plan.dapple, plan.json, report.txt)")
+    return 0

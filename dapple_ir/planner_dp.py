@@ -1,0 +1,288 @@
+"""Dynamic programming over layers × devices: cuts, replica counts and placement, exact for the
+cost model of `pipeline_cost` when the Pareto fronts are not capped.
+
+The recursion runs from the last stage to the first (see `pipeline_cost`): the suffix of layers
+[i, L) placed from device-order offset d has a Pareto front of (G, H, n) — pipeline time seen from
+its first stage, unhidden allreduce, stage count — and whether its first stage sits alone on the
+node the previous stage would end on (which decides the link of the cut before it). Both G and H
+of a stage grow monotonically with the suffix's, so the front is all a predecessor needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from functools import cache
+
+from dapple_ir.cluster import ClusterSpec
+from dapple_ir.errors import PlanError
+from dapple_ir.pipeline_cost import (
+    _PATH_SHARE,
+    Candidate,
+    Estimate,
+    Problem,
+    StageChoice,
+    device_order,
+    evaluate,
+    stage_start,
+)
+
+
+def replica_choices(cluster: ClusterSpec) -> list[int]:
+    """Replica counts a stage may take: all on small clusters, else powers of two and whole nodes,
+    in units that keep the device dimension of the search near 32 positions."""
+    n = cluster.num_devices
+    if n <= 16:
+        return list(range(1, n + 1))
+    unit, positions = 1, 64 if n <= 256 else 32
+    while n // unit > positions:
+        unit *= 2
+    choices = {r for r in (unit * 2**k for k in range(20)) if r <= n}
+    if cluster.nodes <= 4 and cluster.devices_per_node > 1:
+        per = cluster.devices_per_node
+        choices |= {per * k for k in range(1, cluster.nodes + 1) if (per * k) % unit == 0}
+    return sorted(choices)
+
+
+def policies_for(cluster: ClusterSpec, policies: tuple[str, ...]) -> list[str]:
+    """Policies that differ on this cluster (on one node, or one device a node, they all coincide)."""
+    if cluster.nodes == 1 or cluster.devices_per_node == 1:
+        return [policies[0]] if "append-first" not in policies else ["append-first"]
+    if cluster.num_devices > 16:
+        # Scattering a stage over nodes only pays on small clusters (the DP prices its cuts pessimistically).
+        return [p for p in policies if p != "scatter-first"] or list(policies)
+    return list(policies)
+
+
+# A suffix plan: (g, h, n, alone, start, replicas, end, child). g: pipeline time seen from its first
+# stage; h: allreduce not hidden; n: stages; alone: its first stage lies on one node only, the node
+# of the device before `start`; the first stage holds layers up to `end` on devices from `start`.
+_Entry = tuple  # plain tuples: the DP creates millions of them
+_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD = range(8)
+
+
+def _objective(entry: _Entry) -> float:
+    h = entry[_H]
+    return entry[_G] + h if h > 0.0 else entry[_G]
+
+
+def _order_key(entry: _Entry) -> tuple[float, float, int]:
+    return entry[_G], entry[_H], entry[_N]
+
+
+def solve(
+    problem: Problem,
+    microbatches: int,
+    schedule: str,
+    policy: str,
+    *,
+    stages: int | None = None,
+    max_stages: int | None = None,
+    front: int | None = 3,
+    choices: list[int] | None = None,
+    bound: float = math.inf,
+) -> Candidate | None:
+    """The best candidate for one (M, schedule, policy), or None when nothing fits in memory or
+    beats `bound` (a stage busier than the bound cannot be part of a better plan: pruned)."""
+    cluster = problem.cluster
+    total = cluster.num_devices
+    layers = problem.layers
+    order = device_order(cluster, policy)
+    node = [cluster.node_of(d) for d in order]
+    b = problem.microbatch_size(microbatches)
+    scale = problem.time_scale(microbatches)
+    share = _PATH_SHARE.get(schedule, 1.0)
+    cut_scale = b / problem.batch
+    replicas = choices or replica_choices(cluster)
+    limit = stages or max_stages or layers
+    pf, pb, pa, ps, pg = problem.pf, problem.pb, problem.pa, problem.ps, problem.pg
+    act_scale = b / problem.cost_batch
+    capacity = [problem.capacity(x) for x in range(total)]
+
+    gpipe, interleaved = schedule == "gpipe", schedule == "interleaved"
+    cut_bytes = problem.cut_bytes
+    intra, inter = cluster.intra, cluster.inter
+    exact_n = stages is not None
+
+    @cache
+    def group(start: int, r: int) -> tuple[bool, float, float, float]:
+        """A replica group's facts: on one node?, memory, allreduce seconds per byte and latency."""
+        devices = order[start : start + r]
+        single = len({node[k] for k in range(start, start + r)}) == 1
+        ring = cluster.slowest_link(devices)
+        ar_bw = 2 * (r - 1) / r / ring.bandwidth if r > 1 else 0.0
+        return single, min(capacity[x] for x in devices), ar_bw, 2 * (r - 1) * ring.latency
+
+    # Per cut: its transfer over an intra- and an inter-node link, for this microbatch size.
+    c_intra_at = [intra.transfer_s(x * cut_scale) for x in cut_bytes]
+    c_inter_at = [inter.transfer_s(x * cut_scale) for x in cut_bytes]
+
+    @cache
+    def spans_from(i: int) -> list[tuple[float, float, float, float, float]]:
+        return [
+            (pf[j] - pf[i], pb[j] - pb[i], ps[j] - ps[i], pa[j] - pa[i], pg[j] - pg[i])
+            for j in range(i + 1, layers + 1)
+        ]
+
+    @cache
+    def suffix(i: int, d: int) -> tuple[_Entry, ...]:
+        found: list[_Entry] = []
+        spans = spans_from(i)
+        for r in replicas:
+            start = stage_start(cluster, policy, d, r)
+            if start + r > total or r > microbatches:
+                continue
+            single, cap, ar_bw, ar_lat = group(start, r)
+            alone = single and d > 0 and node[d - 1] == node[start]
+            per = -(-microbatches // r)
+            for j, (f_sum, b_sum, static, a_sum, grads) in enumerate(spans, start=i + 1):
+                fwd, bwd = f_sum * scale, b_sum * scale
+                busy = per * (fwd + bwd)
+                if static > cap or busy > bound:
+                    break
+                ar = grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0
+                act = a_sum * act_scale
+                if j == layers:
+                    if static + (per if gpipe else min(per, 2 if interleaved else 1)) * act <= cap:
+                        found.append((busy, ar, 1, alone, start, r, j, None))
+                    continue
+                c_intra, c_inter = c_intra_at[j - 1], c_inter_at[j - 1]
+                path = share * (fwd + bwd)
+                for child in suffix(j, start + r):
+                    n = child[_N] + 1
+                    held = (2 * n if interleaved else n) if not gpipe else per
+                    if held > per:
+                        held = per
+                    if n > limit or static + held * act > cap:
+                        continue
+                    c = c_intra if (single and child[_ALONE]) else c_inter
+                    g = path + 2 * c + child[_G]
+                    if busy > g:
+                        g = busy
+                    if g > bound:
+                        continue
+                    h = child[_H] - (bwd + c)
+                    if ar > h:
+                        h = ar
+                    found.append((g, h, n, alone, start, r, j, child))
+        return _prune(found, exact_n=exact_n, front=front)
+
+    entries = [e for e in suffix(0, 0) if stages is None or e[_N] == stages]
+    suffix.cache_clear()
+    group.cache_clear()
+    spans_from.cache_clear()
+    if not entries:
+        return None
+    best: _Entry | None = min(entries, key=_objective)
+    result: list[StageChoice] = []
+    lo = 0
+    while best is not None:
+        result.append(StageChoice(lo, best[_END], tuple(order[best[_START] : best[_START] + best[_REPLICAS]])))
+        lo, best = best[_END], best[_CHILD]
+    return Candidate(tuple(result), microbatches, schedule, policy, "dp")
+
+
+def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None) -> tuple[_Entry, ...]:
+    """The Pareto front in (g, h, n) per (alone[, n]) class. With `front`, only the best 4 x front
+    entries by objective are considered and `front` of them kept, plus the one with fewest stages
+    (the lightest on memory for the stages before it)."""
+    groups: dict[tuple[bool, int], list[_Entry]] = {}
+    for e in entries:
+        groups.setdefault((e[_ALONE], e[_N] if exact_n else 0), []).append(e)
+    result: list[_Entry] = []
+    for members in groups.values():
+        pool = members if front is None else heapq.nsmallest(4 * front, members, key=_objective)
+        pool.sort(key=_order_key)
+        kept: list[_Entry] = []
+        for e in pool:
+            h, n = e[_H], e[_N]
+            if not any(k[_H] <= h and k[_N] <= n for k in kept):
+                kept.append(e)
+        if front is not None:
+            kept = sorted(kept, key=_objective)[:front]
+            least = min(e[_N] for e in members)
+            if all(k[_N] > least for k in kept):
+                kept.append(min((e for e in members if e[_N] == least), key=_objective))
+        result.extend(kept)
+    return tuple(result)
+
+
+def plan_dp(
+    problem: Problem,
+    *,
+    microbatches: list[int],
+    schedules: list[str],
+    policies: list[str],
+    stages: int | None = None,
+    front: int | None = 3,
+    choices: list[int] | None = None,
+    bound: float = math.inf,
+    slack: float = 1.1,
+) -> list[tuple[Candidate, Estimate]]:
+    """The DP's best candidate for every (M, schedule, policy), evaluated and sorted, fitting ones first.
+
+    `bound` (an iteration time some plan reaches, e.g. the best baseline's) prunes the search; each
+    plan found tightens it to `slack` times its time, so near-best alternatives survive for ranking.
+    """
+    results: list[tuple[Candidate, Estimate]] = []
+    # Every policy at the largest microbatch count, then only the best policy so far at the others.
+    best_policy: str | None = None
+    for m in sorted(microbatches, reverse=True):
+        if problem.global_batch % m:
+            raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
+        for schedule in schedules:
+            for policy in policies if best_policy is None else [best_policy]:
+                cand = solve(problem, m, schedule, policy, stages=stages, front=front, choices=choices, bound=bound)
+                if cand is None:
+                    continue
+                estimate = evaluate(problem, cand)
+                results.append((cand, estimate))
+                if estimate.fits and estimate.iteration_s * slack <= bound:
+                    bound = estimate.iteration_s * slack
+                    best_policy = policy
+    results.sort(key=lambda ce: (not ce[1].fits, ce[1].iteration_s))
+    return results
+
+
+def replicated_pipelines(
+    problem: Problem, *, microbatches: list[int], schedule: str, front: int | None = 3, bound: float = math.inf
+) -> list[tuple[Candidate, Estimate]]:
+    """For large clusters: plan one pipeline on N/P devices (whole nodes, at most 64 devices) with the
+    DP, then copy it P times. Replica j of a stage belongs to copy j % P, so that microbatch m stays
+    in copy m % P through every stage (round robin), and each copy keeps its own node-local cuts."""
+    cluster = problem.cluster
+    n, per = cluster.num_devices, cluster.devices_per_node
+    results = []
+    copies = 2
+    while copies <= n // per:
+        sub_devices = n // copies
+        if n % copies or sub_devices % per or problem.global_batch % copies:
+            copies *= 2
+            continue
+        if sub_devices <= 32:
+            sub = dataclasses.replace(cluster, node_kinds=cluster.node_kinds[: sub_devices // per])
+            trial = dataclasses.replace(problem, cluster=sub, global_batch=problem.global_batch // copies)
+            ms = [m // copies for m in microbatches if m % copies == 0 and trial.global_batch % (m // copies) == 0]
+            for cand, _est in plan_dp(
+                trial, microbatches=ms or [1], schedules=[schedule], policies=["append-first"], front=front, bound=bound
+            ):
+                merged = _copy(cand, copies, sub_devices)
+                results.append((merged, evaluate(problem, merged)))
+        copies *= 2
+    results.sort(key=lambda ce: (not ce[1].fits, ce[1].iteration_s))
+    return results
+
+
+def _copy(cand: Candidate, copies: int, sub_devices: int) -> Candidate:
+    stages = []
+    for st in cand.stages:
+        devices = tuple(st.devices[j // copies] + (j % copies) * sub_devices for j in range(st.replicas * copies))
+        stages.append(StageChoice(st.lo, st.hi, devices))
+    return Candidate(tuple(stages), cand.microbatches * copies, cand.schedule, cand.policy, f"dp x{copies} copies")
+
+
+def lower_bound_devices(problem: Problem) -> int:
+    """Fewest devices whose memory could hold the static state at all (for 'does not fit' hints)."""
+    cap = problem.capacity(0)
+    return max(1, math.ceil(problem.ps[-1] / cap))

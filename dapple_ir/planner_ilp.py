@@ -1,0 +1,195 @@
+"""The partition/replication problem as a CP-SAT model (OR-Tools), for append-first placement.
+
+One model per (stage count S, microbatch count M): integer cut points e_0 = 0 < e_1 < ... < e_S = L,
+a one-hot replica choice per stage, device offsets d_s = R_0 + ... + R_{s-1}, and the recursion of
+`pipeline_cost` written as lower bounds (G_s >= busy_s, G_s >= a_s + G_{s+1}, H_s >= AR_s,
+H_s >= H_{s+1} - B_s - c_s, T >= G_0, T >= G_0 + H_0) that the minimisation makes tight. Times are
+integers in units of `unit` seconds; whether a cut or a replica group stays on one node comes from
+the node of each stage's first and last device. Exact for the cost model (up to the time unit) when
+the solver reports OPTIMAL; otherwise the gap to its bound is reported.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dapple_ir.pipeline_cost import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
+from dapple_ir.planner_dp import replica_choices
+
+_MEMORY_UNIT = 1024.0
+
+
+def _ints(values: list[float], unit: float) -> list[int]:
+    return [round(v / unit) for v in values]
+
+
+def solve_ilp(
+    problem: Problem,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    time_limit_s: float = 10.0,
+    hint: Candidate | None = None,
+) -> tuple[Candidate, Estimate, str] | None:
+    """The best append-first candidate with exactly `stages` stages, or None when none is feasible.
+    `hint` (a plan of the same shape, e.g. the DP's) starts the search from a known solution."""
+    from ortools.sat.python import cp_model
+
+    cluster = problem.cluster
+    n_dev, per_node, layers = cluster.num_devices, cluster.devices_per_node, problem.layers
+    if stages > layers or stages > n_dev:
+        return None
+    m = microbatches
+    b = problem.microbatch_size(m)
+    scale = problem.time_scale(m)
+    total = (problem.pf[-1] + problem.pb[-1]) * scale * m + 1e-9
+    unit = total / 1e8
+    share_num = round(_PATH_SHARE.get(schedule, 1.0) * 4)
+    pf = _ints([v * scale for v in problem.pf], unit)
+    pb = _ints([v * scale for v in problem.pb], unit)
+    pa = _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT)
+    ps = _ints(problem.ps, _MEMORY_UNIT)
+    pg = [round(v) for v in problem.pg]
+    cut = [0.0, *(problem.cut_bytes[j] * b / problem.batch for j in range(layers))]
+    c_intra = _ints([cluster.intra.transfer_s(x) for x in cut], unit)
+    c_inter = _ints([cluster.inter.transfer_s(x) for x in cut], unit)
+    cap = int(problem.capacity(0) // _MEMORY_UNIT)
+    choices = [r for r in replica_choices(cluster) if r <= m]
+
+    md = cp_model.CpModel()
+    big = 10**12
+    e = [md.new_constant(0)] + [md.new_int_var(s, layers - (stages - s), f"e{s}") for s in range(1, stages)]
+    e.append(md.new_constant(layers))
+    for s in range(stages):
+        md.add(e[s + 1] >= e[s] + 1)
+
+    def element(index: cp_model.IntVar, table: list[int], name: str) -> cp_model.IntVar:
+        var = md.new_int_var(min(table), max(table), name)
+        md.add_element(index, table, var)
+        return var
+
+    at = [
+        {k: element(e[s], t, f"{k}{s}") for k, t in (("f", pf), ("b", pb), ("a", pa), ("s", ps), ("g", pg))}
+        for s in range(stages + 1)
+    ]
+    onehot = [[md.new_bool_var(f"r{s}_{r}") for r in choices] for s in range(stages)]
+    reps = []
+    for s in range(stages):
+        md.add_exactly_one(onehot[s])
+        reps.append(sum(r * x for r, x in zip(choices, onehot[s], strict=True)))
+    md.add(sum(reps) <= n_dev)
+    first_node, last_node = [], []
+    for s in range(stages):
+        offset = sum(reps[:s]) if s else 0
+        start = md.new_int_var(0, n_dev - 1, f"d{s}")
+        md.add(start == offset)
+        end = md.new_int_var(0, n_dev - 1, f"z{s}")
+        md.add(end == offset + reps[s] - 1)
+        nf, nl = md.new_int_var(0, cluster.nodes, f"nf{s}"), md.new_int_var(0, cluster.nodes, f"nl{s}")
+        md.add_division_equality(nf, start, per_node)
+        md.add_division_equality(nl, end, per_node)
+        first_node.append(nf)
+        last_node.append(nl)
+    g_next = h_next = None
+    g0 = h0 = None
+    for s in range(stages - 1, -1, -1):
+        f = md.new_int_var(0, big, f"F{s}")
+        md.add(f == at[s + 1]["f"] - at[s]["f"])
+        bw = md.new_int_var(0, big, f"B{s}")
+        md.add(bw == at[s + 1]["b"] - at[s]["b"])
+        grads = md.new_int_var(0, max(pg), f"W{s}")
+        md.add(grads == at[s + 1]["g"] - at[s]["g"])
+        static = at[s + 1]["s"] - at[s]["s"]
+        act = at[s + 1]["a"] - at[s]["a"]
+        busy, ar = md.new_int_var(0, big, f"busy{s}"), md.new_int_var(0, big, f"ar{s}")
+        spans = md.new_bool_var(f"spans{s}")
+        md.add(first_node[s] != last_node[s]).only_enforce_if(spans)
+        md.add(first_node[s] == last_node[s]).only_enforce_if(spans.negated())
+        for r, x in zip(choices, onehot[s], strict=True):
+            per = -(-m // r)
+            md.add(busy >= per * (f + bw)).only_enforce_if(x)
+            md.add(static + in_flight(schedule, stages - s, per) * act <= cap).only_enforce_if(x)
+            if r == 1:
+                continue
+            for flag, link in ((spans, cluster.inter), (spans.negated(), cluster.intra)):
+                coef = round(2 * (r - 1) / r / link.bandwidth / unit * 2**16)
+                lat = round(2 * (r - 1) * link.latency / unit)
+                md.add(ar * 2**16 >= coef * grads + lat * 2**16).only_enforce_if([x, flag])
+        c = md.new_int_var(0, big, f"c{s}")
+        if s < stages - 1:
+            intra = md.new_bool_var(f"intra{s}")
+            md.add(first_node[s] == last_node[s + 1]).only_enforce_if(intra)
+            md.add(first_node[s] != last_node[s + 1]).only_enforce_if(intra.negated())
+            ci = element(e[s + 1], c_intra, f"ci{s}")
+            cx = element(e[s + 1], c_inter, f"cx{s}")
+            md.add(c == ci).only_enforce_if(intra)
+            md.add(c == cx).only_enforce_if(intra.negated())
+        else:
+            md.add(c == 0)
+        g, h = md.new_int_var(0, big, f"G{s}"), md.new_int_var(-big, big, f"H{s}")
+        md.add(g >= busy)
+        md.add(h >= ar)
+        if g_next is not None and h_next is not None:
+            md.add(4 * g >= share_num * (f + bw) + 8 * c + 4 * g_next)
+            md.add(h >= h_next - bw - c)
+        g_next, h_next, g0, h0 = g, h, g, h
+    assert g0 is not None and h0 is not None
+    t = md.new_int_var(0, 4 * big, "T")
+    md.add(t >= g0)
+    md.add(t >= g0 + h0)
+    md.minimize(t)
+    if hint is not None and len(hint.stages) == stages:
+        for s in range(1, stages):
+            md.add_hint(e[s], hint.stages[s].lo)
+        for s, st in enumerate(hint.stages):
+            for r, x in zip(choices, onehot[s], strict=True):
+                md.add_hint(x, r == st.replicas)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
+    solver.parameters.num_workers = 2
+    status = solver.solve(md)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    bounds = [solver.value(x) for x in e]
+    replicas = [choices[[solver.value(x) for x in row].index(1)] for row in onehot]
+    cand = candidate(problem, bounds, replicas, m, schedule, "append-first", "ilp")
+    if cand is None:
+        return None
+    value, bound = solver.objective_value, solver.best_objective_bound
+    gap = 0.0 if status == cp_model.OPTIMAL or value <= 0 else (value - bound) / value
+    note = "optimal" if status == cp_model.OPTIMAL else f"gap {100 * gap:.1f}% at the time limit"
+    return cand, evaluate(problem, cand), note
+
+
+def plan_ilp(
+    problem: Problem,
+    *,
+    microbatches: list[int],
+    schedule: str = "1f1b",
+    stages: int | None = None,
+    time_limit_s: float = 10.0,
+    max_stages: int = 16,
+    hints: list[Candidate] | None = None,
+) -> list[tuple[Candidate, Estimate, str]]:
+    """Solve for stage and microbatch counts within `time_limit_s`: around the hints' shapes when
+    given (each hint seeds the model of its own shape), else every count up to `max_stages`."""
+    most = min(problem.layers, problem.cluster.num_devices, max_stages)
+    by_shape = {(len(h.stages), h.microbatches): h for h in reversed(hints or []) if h.policy == "append-first"}
+    if stages:
+        jobs = [(stages, m) for m in microbatches]
+    elif by_shape:
+        jobs = list(by_shape)
+        jobs += [(s + d, m) for s, m in by_shape for d in (-1, 1) if 1 <= s + d <= most and (s + d, m) not in by_shape]
+    else:
+        jobs = [(s, m) for m in microbatches for s in range(1, most + 1)]
+    deadline = time.monotonic() + time_limit_s
+    results = []
+    for k, (s, m) in enumerate(jobs):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        found = solve_ilp(problem, s, m, schedule, left / (len(jobs) - k), hint=by_shape.get((s, m)))
+        if found is not None:
+            results.append(found)
+    results.sort(key=lambda r: (not r[1].fits, r[1].iteration_s))
+    return results

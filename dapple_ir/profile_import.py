@@ -1,0 +1,179 @@
+"""Import the per-layer profiles published by PipeDream and DAPPLE (`profile:path/graph.txt`).
+
+The format (one node a line, edges as tab-indented lines):
+
+    node12 -- Conv2d(128, 256, ...) -- forward_compute_time=10.814, backward_compute_time=18.335,
+        activation_size=411041792.000, parameter_size=1180672.000      (all on one line)
+    \tnode11 -- node12
+
+Times are milliseconds for one minibatch of the profile batch; sizes are bytes, and
+`activation_size` may be a list `[a; b]` (a node with several outputs), which is summed. Each node
+becomes one `layer` op whose costs describe the profile batch; edges become operands, so branches
+(residual adds, GNMT's parallel LSTM states) stay in the graph. Such a module can be planned and
+simulated, not run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dapple_ir.errors import CaptureError
+from dapple_ir.ir import Module, ModuleAttrs, Op, OpaqueType, OpAttrs, OpKind
+
+#: Profile batch of files whose name does not say it (`...-pbs-32.txt` does): PipeDream's profiles.
+DEFAULT_PROFILE_BATCH = 64
+
+_METRICS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+_PBS = re.compile(r"pbs-(\d+)")
+_NODE_NUMBER = re.compile(r"node(\d+)\Z")
+_EDGE = re.compile(r"\t\s*(\S+)\s+--\s+(\S+)\s*\Z")
+
+
+@dataclass
+class _Node:
+    name: str
+    label: str
+    metrics: dict[str, float]
+    line: int
+    preds: list[str] = field(default_factory=list)
+
+
+def default_profile_batch(path: str | Path) -> int:
+    """The batch a profile's times describe, from its file name (`pbs-N`), else PipeDream's 64."""
+    match = _PBS.search(Path(path).name)
+    return int(match.group(1)) if match else DEFAULT_PROFILE_BATCH
+
+
+def import_profile(path: str, batch: int | None = None) -> Module:
+    """Read a PipeDream/DAPPLE `graph.txt` into a module of `layer` ops in topological order.
+
+    `batch` is the minibatch the times were measured at (`--profile-batch N`); by default it comes
+    from the file name (`pbs-N`) or is PipeDream's 64.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise CaptureError(f"profile {path} does not exist (model spec 'profile:{path}')")
+    if batch is not None and batch < 1:
+        raise CaptureError(f"profile {path}: --profile-batch must be at least 1, not {batch}")
+    nodes = _parse(file)
+    order = _topological_order(file, nodes)
+    ops: dict[str, Op] = {}
+    for name in order:
+        node = nodes[name]
+        m = node.metrics
+        attrs = OpAttrs(
+            label=node.label,
+            fwd_s=_seconds(m["forward_compute_time"]),
+            bwd_s=_seconds(m["backward_compute_time"]),
+            act_bytes=m["activation_size"],
+            out_bytes=m["activation_size"],
+            param_bytes=m["parameter_size"],
+        )
+        operands = [ops[p] for p in node.preds]
+        ops[name] = Op(name, OpKind.LAYER, operands, OpaqueType(), target=name, attrs=attrs)
+    profile_batch = batch if batch is not None else default_profile_batch(file)
+    module_attrs = ModuleAttrs(
+        batch=profile_batch, cost_batch=profile_batch, source=f"profile:{path}", capture_method="profile"
+    )
+    return Module(_module_name(file), ops=[ops[n] for n in order], attrs=module_attrs)
+
+
+def _module_name(file: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", file.stem) or "profile"
+
+
+def _parse(file: Path) -> dict[str, _Node]:
+    nodes: dict[str, _Node] = {}
+    edges: list[tuple[str, str, int]] = []
+    for number, raw in enumerate(file.read_text().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        if raw.startswith("\t"):
+            match = _EDGE.match(raw)
+            if not match:
+                raise CaptureError(
+                    f"{file}:{number}: an edge line must read '<tab>nodeA -- nodeB', not {raw.strip()!r}"
+                )
+            edges.append((match.group(1), match.group(2), number))
+            continue
+        node = _parse_node(file, number, raw)
+        if node.name in nodes:
+            raise CaptureError(
+                f"{file}:{number}: node {node.name} is defined twice (first on line {nodes[node.name].line})"
+            )
+        nodes[node.name] = node
+    for src, dst, number in edges:
+        for end in (src, dst):
+            if end not in nodes:
+                raise CaptureError(f"{file}:{number}: edge {src} -- {dst} names {end}, which has no node line")
+        if src not in nodes[dst].preds:
+            nodes[dst].preds.append(src)
+    if not nodes:
+        raise CaptureError(f"profile {file} holds no nodes")
+    return nodes
+
+
+def _parse_node(file: Path, number: int, raw: str) -> _Node:
+    # The description may hold commas and parentheses, so split on the first and last separator.
+    first, last = raw.find(" -- "), raw.rfind(" -- ")
+    if first < 0 or first == last:
+        raise CaptureError(f"{file}:{number}: a node line must read 'nodeN -- description -- metrics', not {raw!r}")
+    name, label, metric_text = raw[:first].strip(), raw[first + 4 : last].strip(), raw[last + 4 :]
+    metrics: dict[str, float] = {}
+    for item in re.split(r",\s*(?![^\[]*\])", metric_text.strip()):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CaptureError(f"{file}:{number}: metric {item!r} of node {name} is not key=value")
+        metrics[key.strip()] = _number(file, number, key.strip(), value.strip())
+    missing = [k for k in _METRICS if k not in metrics]
+    if missing:
+        raise CaptureError(f"{file}:{number}: node {name} lacks {', '.join(missing)}")
+    return _Node(name, label, metrics, number)
+
+
+def _number(file: Path, line: int, key: str, text: str) -> float:
+    # A node with several outputs lists one size per output: `[a; b]`.
+    parts = text[1:-1].split(";") if text.startswith("[") and text.endswith("]") else [text]
+    try:
+        values = [float(p) for p in parts if p.strip()]
+    except ValueError:
+        raise CaptureError(f"{file}:{line}: {key}={text} is not a number or a list [a; b] of numbers") from None
+    if any(v < 0 for v in values):
+        raise CaptureError(f"{file}:{line}: {key}={text} is negative")
+    return sum(values)
+
+
+def _order_key(name: str, line: int) -> tuple[int, int]:
+    # Prefer the node numbering (PipeDream lists nodes out of order), then the file order.
+    match = _NODE_NUMBER.match(name)
+    return (int(match.group(1)) if match else line, line)
+
+
+def _topological_order(file: Path, nodes: dict[str, _Node]) -> list[str]:
+    indegree = {name: len(node.preds) for name, node in nodes.items()}
+    succs: dict[str, list[str]] = {name: [] for name in nodes}
+    for name, node in nodes.items():
+        for pred in node.preds:
+            succs[pred].append(name)
+    ready = [(_order_key(n, nodes[n].line), n) for n, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for succ in succs[name]:
+            indegree[succ] -= 1
+            if indegree[succ] == 0:
+                heapq.heappush(ready, (_order_key(succ, nodes[succ].line), succ))
+    if len(order) < len(nodes):
+        stuck = sorted(n for n, d in indegree.items() if d > 0)
+        raise CaptureError(f"profile {file}: the edges form a cycle through {', '.join(stuck[:6])}")
+    return order
+
+
+def _seconds(ms: float) -> float:
+    # Rounded so that 10.814 ms prints as 0.010814, not 0.010814000000000001.
+    return round(ms / 1e3, 12)

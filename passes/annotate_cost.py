@@ -1,0 +1,191 @@
+"""Give every op a forward time, backward time and activation bytes for a microbatch size.
+
+Two sources:
+
+- `analytic` (default): a roofline on the cluster's device from the FLOPs and bytes that capture
+  recorded (`fwd_flops`, `bwd_flops`, `mem_bytes`, `op_class`):
+  `time = max(flops / peak_flops, bytes / mem_bandwidth) / efficiency(op_class) + op_overhead`. The backward moves
+  about twice the forward's bytes (it reads the saved inputs and the output gradient, and writes
+  the input gradient). Ops whose times came from elsewhere (an imported profile) keep them.
+- `PATH.json`: times measured by `dapple profile` for each op, at the profile's microbatch.
+
+Times and activation bytes scale linearly with the samples they describe (DAPPLE's planner does the
+same); the pass records the size it annotated for as `cost_batch`. Torch is not needed here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dapple_ir.cluster import ClusterSpec, DeviceKind, resolve_cluster
+from dapple_ir.errors import ClusterError, DappleError
+from dapple_ir.ir import Module, Op, OpKind, TensorType
+from dapple_ir.memory import optimizer_state_factor
+from dapple_ir.registry import Pass, PassContext, register_pass
+
+#: Backward bytes moved, relative to the forward's (see the module docstring).
+BACKWARD_BYTES_FACTOR = 2.0
+_FREE = (OpKind.INPUT, OpKind.OUTPUT)
+
+
+@register_pass
+@dataclass(frozen=True)
+class AnnotateCost(Pass):
+    """Annotate forward/backward time and activation bytes per op (roofline or measured profile)."""
+
+    name = "annotate-cost"
+
+    source: str = field(
+        default="analytic",
+        metadata={"doc": "analytic (roofline on the cluster's device) or PATH.json written by `dapple profile`"},
+    )
+    microbatch: int = field(
+        default=0, metadata={"doc": "samples the costs describe (0: the module's cost batch, else its batch)"}
+    )
+    efficiency: str = field(
+        default="",
+        metadata={"doc": "fraction of peak: one number for every op class, or 'matmul:0.5;conv:0.4'"},
+    )
+    device: int = field(default=0, metadata={"doc": "device id whose kind the analytic roofline uses"})
+    optimizer: str = field(default="", metadata={"doc": "optimizer the memory model assumes (sgd, adam, ...)"})
+
+    def apply(self, ctx: PassContext, module: Module) -> None:
+        if self.optimizer:
+            optimizer_state_factor(self.optimizer)  # rejects unknown names with the list of known ones
+            module.attrs.optimizer = self.optimizer
+        if self.microbatch < 0:
+            raise DappleError(f"annotate-cost: microbatch must be positive, not {self.microbatch}")
+        if self.source == "analytic":
+            self.analytic(ctx, module)
+        else:
+            self.measured(ctx, module)
+
+    # ------------------------------------------------------------------------------ analytic
+
+    def analytic(self, ctx: PassContext, module: Module) -> None:
+        old = module.attrs.cost_batch or module.attrs.batch
+        target = self.microbatch or old
+        if target is None:
+            raise DappleError("annotate-cost: the module has no batch attribute; give microbatch=N")
+        counted = [op for op in module.ops if op.attrs.fwd_flops is not None or op.attrs.mem_bytes is not None]
+        chosen = set(counted)
+        for op in module.ops:
+            if op not in chosen:
+                _rescale(op, old, target)  # costs from elsewhere (an imported profile) keep their times
+        module.attrs.cost_batch = target
+        if not counted:
+            ctx.log(f"annotate-cost: no FLOP counts to turn into times; costs rescaled to {target} sample(s)")
+            return
+        spec = self.cluster(ctx, module)
+        kind = spec.device(self.device)
+        overrides = self.efficiency_overrides()
+        scale = target / (module.attrs.batch or target)
+        for op in counted:
+            eff = overrides.get(op.attrs.op_class or "matmul") or spec.efficiency_of(op.attrs.op_class)
+            # Weights are read once whatever the batch; only the activations' share scales.
+            weights = min(module.param_bytes_of([op]), op.attrs.mem_bytes or 0.0)
+            moved = ((op.attrs.mem_bytes or 0.0) - weights) * scale + weights
+            flops = ((op.attrs.fwd_flops or 0.0) * scale, (op.attrs.bwd_flops or 0.0) * scale)
+            op.attrs.fwd_s, op.attrs.bwd_s = roofline_times(flops, moved, kind, _dtype(op), eff)
+            if op.attrs.act_bytes is not None and old:
+                op.attrs.act_bytes = op.attrs.act_bytes * target / old
+        ctx.log(f"annotate-cost: roofline on {kind.name} for {len(counted)} op(s) at {target} sample(s)")
+
+    def cluster(self, ctx: PassContext, module: Module) -> ClusterSpec:
+        name = module.attrs.cluster or ctx.cluster
+        if not name:
+            raise ClusterError(
+                "annotate-cost{source=analytic} needs a cluster to know the device's peak FLOP/s and bandwidth: "
+                "give --cluster (e.g. --cluster 1x8xV100-16GB or a TOML file), or measure with `dapple profile` "
+                "and use annotate-cost{source=profile.json}"
+            )
+        return resolve_cluster(name)
+
+    def efficiency_overrides(self) -> dict[str, float]:
+        text = self.efficiency.strip()
+        if not text:
+            return {}
+        result: dict[str, float] = {}
+        try:
+            if ":" not in text:
+                return {c: _fraction(float(text)) for c in ("matmul", "conv", "attention", "elementwise")}
+            for item in text.split(";"):
+                op_class, _, value = item.partition(":")
+                result[op_class.strip()] = _fraction(float(value))
+        except ValueError:
+            raise DappleError(
+                f"annotate-cost: efficiency '{self.efficiency}' must be a fraction in (0, 1] or 'class:fraction;...' "
+                "such as 'matmul:0.5;conv:0.4'"
+            ) from None
+        return result
+
+    # ------------------------------------------------------------------------------ measured
+
+    def measured(self, ctx: PassContext, module: Module) -> None:
+        path = Path(self.source)
+        if not path.is_file():
+            raise DappleError(
+                f"annotate-cost: source '{self.source}' is neither 'analytic' nor an existing profile JSON file "
+                "(write one with `dapple profile MODEL_SPEC -o profile.json`)"
+            )
+        try:
+            data = json.loads(path.read_text())
+            measured_batch = int(data["microbatch"])
+            entries: dict[str, dict[str, float]] = data["ops"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DappleError(f"annotate-cost: {path} is not a profile written by `dapple profile` ({exc})") from None
+        target = self.microbatch or measured_batch
+        scale = target / measured_batch
+        for op in module.ops:
+            entry = entries.get(op.name)
+            if entry is None:
+                if op.kind in _FREE:
+                    continue
+                raise DappleError(
+                    f"annotate-cost: {path} has no measurement for op %{op.name}; profile this model again "
+                    f"(it was profiled from {data.get('model', 'another model')})"
+                )
+            op.attrs.fwd_s = float(entry["fwd_s"]) * scale
+            op.attrs.bwd_s = float(entry["bwd_s"]) * scale
+            if entry.get("act_bytes") is not None:
+                op.attrs.act_bytes = float(entry["act_bytes"]) * scale
+        module.attrs.cost_batch = target
+        ctx.log(f"annotate-cost: measured times from {path} ({data.get('device', '?')}) at {target} sample(s)")
+
+
+def roofline_times(
+    flops: tuple[float, float], moved_bytes: float, kind: DeviceKind, dtype: str = "f32", efficiency: float = 1.0
+) -> tuple[float, float]:
+    """Forward and backward seconds of an op doing `flops` (forward, backward) and moving `moved_bytes`."""
+    peak, bandwidth = kind.flops(dtype), kind.mem_bandwidth
+    fwd = max(flops[0] / peak, moved_bytes / bandwidth) / efficiency
+    bwd = max(flops[1] / peak, BACKWARD_BYTES_FACTOR * moved_bytes / bandwidth) / efficiency
+    # Ops that only touch metadata (views) run no kernel and pay no per-call overhead.
+    if fwd > 0:
+        fwd += kind.op_overhead
+    if bwd > 0:
+        bwd += kind.op_overhead
+    return fwd, bwd
+
+
+def _rescale(op: Op, old: int | None, new: int) -> None:
+    if not old or old == new:
+        return
+    factor = new / old
+    for name in ("fwd_s", "bwd_s", "act_bytes"):
+        value = getattr(op.attrs, name)
+        if value is not None:
+            setattr(op.attrs, name, value * factor)
+
+
+def _dtype(op: Op) -> str:
+    # The result's element type picks the peak (f16 tensor cores are far faster than f32).
+    return op.type.dtype if isinstance(op.type, TensorType) else "f32"
+
+
+def _fraction(value: float) -> float:
+    if not 0 < value <= 1:
+        raise ValueError(value)
+    return value

@@ -1,0 +1,140 @@
+"""Group ops into an ordered list of layers, cut where few bytes cross."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from dapple_ir.errors import PassError
+from dapple_ir.ir import Layer, LayerAttrs, Module, Op, OpaqueType, OpKind
+from dapple_ir.registry import Pass, PassContext, register_pass
+
+# Inputs and parameter reads have no place of their own in the chain: they join their first user,
+# so a loss target read only by the last op never crosses a cut. The output joins the loss.
+_FLOATING = (OpKind.INPUT, OpKind.GET_ATTR, OpKind.OUTPUT)
+
+
+@register_pass
+@dataclass(frozen=True)
+class Coarsen(Pass):
+    """Group ops into at most max-layers layers at cuts where few bytes cross; sum their costs."""
+
+    name = "coarsen"
+    max_layers: int = field(default=128, metadata={"doc": "most layers to keep (the planner's granularity)"})
+
+    def apply(self, ctx: PassContext, module: Module) -> None:
+        if self.max_layers < 1:
+            raise PassError(f"coarsen: max-layers must be at least 1, not {self.max_layers}")
+        chain, position = _anchor(module)
+        if not chain:
+            raise PassError(f"coarsen: module @{module.name} has no ops to group")
+        crossing = _crossing(module, position, len(chain))
+        bounds = _choose_cuts(module, chain, crossing, self.max_layers)
+        module.layers = _build_layers(module, chain, position, bounds, crossing)
+        ctx.log(f"coarsen: {len(module.ops)} ops into {len(module.layers)} layers")
+
+
+def _anchor(module: Module) -> tuple[list[Op], dict[Op, int]]:
+    """The chain of anchored ops, and each op's position in it (floating ops: their first user's)."""
+    chain = [op for op in module.ops if op.kind not in _FLOATING]
+    position = {op: i for i, op in enumerate(chain)}
+    users = module.users()
+    for op in module.ops:
+        if op.kind is OpKind.OUTPUT:
+            position[op] = max((position.get(v, 0) for v in op.operands), default=len(chain) - 1)
+    for op in module.ops:
+        if op in position:
+            continue
+        placed = [position[u] for u in users[op] if u in position]
+        position[op] = min(placed) if placed else 0
+    return chain, position
+
+
+def _is_opaque(op: Op) -> bool:
+    return isinstance(op.type, OpaqueType) and op.attrs.out_bytes is None
+
+
+def _crossing(module: Module, position: dict[Op, int], n: int) -> list[tuple[float, int, int]]:
+    """Per boundary k (before chain op k): bytes crossing, values crossing, opaque values crossing."""
+    nbytes, count, opaque = [0.0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
+    users = module.users()
+    for op in module.ops:
+        last = max((position[u] for u in users[op]), default=position[op])
+        if last <= position[op]:
+            continue
+        # The value crosses boundaries position+1 .. last (difference arrays, summed below).
+        lo, hi = position[op] + 1, last + 1
+        nbytes[lo] += op.out_bytes
+        nbytes[hi] -= op.out_bytes
+        count[lo] += 1
+        count[hi] -= 1
+        if _is_opaque(op):
+            opaque[lo] += 1
+            opaque[hi] -= 1
+    result, b, c, o = [], 0.0, 0, 0
+    for k in range(n + 1):
+        b, c, o = b + nbytes[k], c + count[k], o + opaque[k]
+        result.append((max(b, 0.0), c, o))
+    return result
+
+
+def _choose_cuts(module: Module, chain: list[Op], crossing: list[tuple[float, int, int]], max_layers: int) -> list[int]:
+    """Boundaries [0, ..., n]: every legal cut, then merges of the cheapest neighbours until few enough."""
+    n = len(chain)
+    legal = [k for k in range(1, n) if crossing[k][2] == 0]
+    cuts = [0, *legal, n]
+    cost = [(op.attrs.fwd_s or 0.0) + (op.attrs.bwd_s or 0.0) for op in chain]
+    total = sum(cost) or 1.0
+    mean_cut = sum(crossing[k][0] for k in legal) / max(1, len(legal)) or 1.0
+    target = total / max_layers
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    # Doubly linked list over the cuts; a heap of removal scores with lazy invalidation.
+    prev = {k: cuts[i - 1] for i, k in enumerate(cuts) if i > 0}
+    nxt = {k: cuts[i + 1] for i, k in enumerate(cuts) if i < len(cuts) - 1}
+    alive = set(cuts)
+
+    def score(k: int) -> float:
+        # Cheap to remove: a cut that many bytes cross, between layers that together stay small.
+        merged = (prefix[nxt[k]] - prefix[prev[k]]) / (target or 1.0)
+        return merged - crossing[k][0] / mean_cut - 0.5 * (crossing[k][1] - 1)
+
+    heap = [(score(k), k, prev[k], nxt[k]) for k in legal]
+    heapq.heapify(heap)
+    layers = len(cuts) - 1
+    while layers > max_layers and heap:
+        _, k, p, q = heapq.heappop(heap)
+        if k not in alive or prev[k] != p or nxt[k] != q:
+            continue
+        alive.discard(k)
+        nxt[p], prev[q] = q, p
+        layers -= 1
+        for j in (p, q):
+            if j in alive and 0 < j < n:
+                heapq.heappush(heap, (score(j), j, prev[j], nxt[j]))
+    return sorted(alive)
+
+
+def _build_layers(
+    module: Module, chain: list[Op], position: dict[Op, int], bounds: list[int], crossing: list[tuple[float, int, int]]
+) -> list[Layer]:
+    index = [0] * (len(chain) + 1)
+    for i in range(len(bounds) - 1):
+        for k in range(bounds[i], bounds[i + 1]):
+            index[k] = i
+    members: list[list[Op]] = [[] for _ in range(len(bounds) - 1)]
+    for op in module.ops:
+        members[index[position[op]]].append(op)
+    layers = []
+    for i, ops in enumerate(members):
+        end = bounds[i + 1]
+        attrs = LayerAttrs(
+            fwd_s=sum(op.attrs.fwd_s or 0.0 for op in ops),
+            bwd_s=sum(op.attrs.bwd_s or 0.0 for op in ops),
+            param_bytes=module.param_bytes_of(ops),
+            act_bytes=sum(op.attrs.act_bytes or 0.0 for op in ops),
+            cut_bytes=crossing[end][0] if end < len(chain) else 0.0,
+        )
+        layers.append(Layer(f"L{i}", ops, attrs))
+    return layers

@@ -1,0 +1,145 @@
+"""Every benchmark runs in its --quick mode and reports tables with the expected columns and finite numbers.
+
+No timing is asserted: the figures are whatever this machine gives; only their presence and shape are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+from tables import Table, fit_exponent, fmt, load_report  # noqa: E402
+
+
+def run_quick(name: str, tmp_path: Path, timeout: float = 240.0) -> list[Table]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = load_report(out)
+    assert report.benchmark == name
+    return report.tables
+
+
+def numbers(table: Table, column: str) -> list[float]:
+    """The column's cells, each required to be a finite number (a string says what was unavailable)."""
+    k = table.columns.index(column)
+    cells = [row[k] for row in table.rows]
+    assert cells, f"{table.name}: no rows"
+    for cell in cells:
+        assert isinstance(cell, int | float) and not isinstance(cell, bool), f"{table.name} / {column}: {cell!r}"
+        assert math.isfinite(cell), f"{table.name} / {column}: {cell!r}"
+    return [float(c) for c in cells]
+
+
+def only_table(tables: list[Table], prefix: str) -> Table:
+    found = [t for t in tables if t.name.startswith(prefix)]
+    assert len(found) == 1, [t.name for t in tables]
+    return found[0]
+
+
+# ------------------------------------------------------------------------------ helpers (fast)
+
+
+def test_fit_exponent_recovers_a_power_law() -> None:
+    xs = [8, 64, 512, 1024]
+    assert fit_exponent(xs, [3 * x**1.5 for x in xs]) == pytest.approx(1.5)
+    assert math.isnan(fit_exponent([8], [1.0]))
+
+
+def test_table_formats_and_round_trips(tmp_path: Path) -> None:
+    from tables import Report
+
+    t = Table("t", ["a", "b"])
+    t.add(1, 0.000123456)
+    t.add("not available: x", None)
+    with pytest.raises(ValueError):
+        t.add(1)
+    assert fmt(12345.6) == "12,346" and fmt(0.000123456) == "0.000123" and fmt(None) == "-"
+    assert "| 1 | 0.000123 |" in t.markdown()
+    Report("x", "X", [t]).save(tmp_path / "r.json")
+    back = load_report(tmp_path / "r.json")
+    assert back.tables[0].rows == t.rows
+    assert json.loads((tmp_path / "r.json").read_text())["benchmark"] == "x"
+
+
+# ------------------------------------------------------------------------------ benchmarks (quick)
+
+
+@pytest.mark.slow
+def test_plan_quality_quick(tmp_path: Path) -> None:
+    tables = run_quick("plan_quality", tmp_path)
+    t = only_table(tables, "Plan quality")
+    for column in ("ours s", "data-parallel", "uniform", "time-balanced", "plan s"):
+        assert column in t.columns
+    assert all(x > 0 for x in numbers(t, "ours s"))
+    # Our search considers every fitting baseline, so none can be faster in the same simulator.
+    assert all(x >= 0.999 for x in numbers(t, "time-balanced"))
+
+
+@pytest.mark.slow
+def test_compile_time_quick(tmp_path: Path) -> None:
+    tables = run_quick("compile_time", tmp_path)
+    t = only_table(tables, "Compile time")
+    for column in ("capture s", "plan s", "lower s", "emit s", "total s", "peak RSS MiB"):
+        assert all(x >= 0 for x in numbers(t, column))
+    growth = only_table(tables, "Growth of compile time")
+    assert growth.columns[:2] == ["held fixed", "varied"]
+
+
+@pytest.mark.slow
+def test_memory_quick(tmp_path: Path) -> None:
+    t = only_table(run_quick("memory", tmp_path), "Peak memory per rank")
+    assert {row[0] for row in t.rows} == {"gpipe", "1f1b", "zb-h1"}
+    assert all(x > 0 for x in numbers(t, "measured peak KiB"))
+    assert all(x > 0 for x in numbers(t, "predicted peak KiB"))
+
+
+@pytest.mark.slow
+def test_predicted_vs_measured_quick(tmp_path: Path) -> None:
+    t = only_table(run_quick("predicted_vs_measured", tmp_path), "Simulated vs measured")
+    assert all(x > 0 for x in numbers(t, "predicted s"))
+    assert all(x > 0 for x in numbers(t, "measured s"))
+
+
+@pytest.mark.slow
+def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
+    t = only_table(run_quick("runtime_vs_torch_pipelining", tmp_path), "Our runtime vs torch")
+    assert all(x > 0 for x in numbers(t, "ours samples/s"))
+    assert all(x > 0 for x in numbers(t, "torch samples/s"))
+    # Same seed, same data, same split: both sides compute the same first loss.
+    for ours, theirs in zip(numbers(t, "step-0 loss ours"), numbers(t, "step-0 loss torch"), strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_run_all_renders_a_failed_benchmark_as_not_available(tmp_path: Path) -> None:
+    import run_all
+
+    bench = run_all.Bench("does_not_exist", 10)
+    outcome = run_all.run_one(bench, quick=True, results=tmp_path)
+    assert outcome.failure.startswith("not available")
+    text = run_all.render([outcome], run_all.machine(), ("0", "0"), True, tmp_path / "B.md")
+    assert "## Machine" in text and "not available" in text and "| cores |" in text
+
+
+def test_device_check_fails_fast_without_cuda() -> None:
+    # Hiding every GPU makes this the no-CUDA case on any machine.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(BENCH / "device_check.sh")], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr

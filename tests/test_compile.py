@@ -1,0 +1,200 @@
+"""`dapple compile` end to end: the plan directory, --explain, and the errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+from dapple_ir.simulator import simulate
+
+PROFILES = Path("/work/shared/profiles")
+VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
+
+
+def _compile(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["compile", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _profile(tmp_path: Path, layers: int, fwd_ms: float, params: float) -> Path:
+    lines = [
+        f"node{i} -- Linear -- forward_compute_time={fwd_ms}, backward_compute_time={2 * fwd_ms}, "
+        f"activation_size=1000000.0, parameter_size={params}"
+        for i in range(layers)
+    ]
+    lines += [f"\tnode{i} -- node{i + 1}" for i in range(layers - 1)]
+    path = tmp_path / "graph.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_profile_plan_dir_is_complete_and_agrees_with_the_simulator(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan"
+    (out).mkdir()
+    (out / "stale.txt").write_text("from an older plan")
+    code, stdout, _ = _compile(
+        tmp_path, capsys, f"profile:{VGG19}", "--cluster", "2x8xV100-16GB", "--global-batch", "512", "-o", str(out)
+    )
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["plan.dapple", "plan.json", "report.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["plan"]  # no temporary directory left beside it
+    plan = json.loads((out / "plan.json").read_text())
+    nodes = [n for s in plan["stages"] for n in s["nodes"]]
+    profile_nodes = [line.split(" -- ")[0] for line in VGG19.read_text().splitlines() if line and line[0] != "\t"]
+    assert sorted(nodes) == sorted(profile_nodes)
+    devices = [d for s in plan["stages"] for d in s["devices"]]
+    assert len(devices) == len(set(devices)) and set(devices) <= set(range(16))
+    assert plan["microbatches"] * plan["microbatch_size"] == plan["global_batch"] == 512
+    assert plan["ranks"] == len(devices) == len(plan["peak_bytes"])
+    assert set(plan["peak_bytes"]) == {str(d) for d in devices}
+    assert all(0 < v <= 16e9 for v in plan["peak_bytes"].values())
+    assert plan["schedule"] in ("1f1b", "gpipe", "zb-h1", "interleaved")
+    # The number shown is the simulator's, so that it and the timeline agree.
+    assert plan["predicted_iteration_s"] == pytest.approx(simulate(out).iteration_s, rel=1e-9)
+    assert f"{plan['predicted_iteration_s']:.4f}" in stdout
+
+
+def test_explain_lists_candidates_with_reasons(tmp_path: Path, capsys) -> None:
+    code, stdout, _ = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{VGG19}",
+        "--cluster",
+        "16x1xV100-16GB",
+        "--global-batch",
+        "512",
+        "-o",
+        str(tmp_path / "p"),
+        "--explain",
+    )
+    assert code == 0
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "verdict" in line)
+    rows = [line for line in lines[header + 1 :] if line[:5].strip().isdigit()]
+    assert sum("CHOSEN" in r for r in rows) == 1
+    for name in ("data-parallel", "uniform", "parameter-balanced", "time-balanced", "pipedream"):
+        assert any(f"baseline:{name}" in r for r in rows), name
+    for row in rows:
+        assert "CHOSEN" in row or "lost: " in row or "rejected: " in row
+        assert len(row) < 200
+    assert any(line.startswith("chosen: s0: layers 0-") for line in lines)
+
+
+def test_microbatches_must_divide_the_global_batch(tmp_path: Path, capsys) -> None:
+    code, _, err = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{VGG19}",
+        "--cluster",
+        "2x8xV100-16GB",
+        "--global-batch",
+        "64",
+        "--microbatches",
+        "7",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 2
+    assert "global batch 64 is not divisible into 7 microbatches" in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_more_stages_than_devices(tmp_path: Path, capsys) -> None:
+    code, _, err = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{VGG19}",
+        "--cluster",
+        "2x8xV100-16GB",
+        "--global-batch",
+        "64",
+        "--stages",
+        "17",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 2
+    assert "17 stages were requested but cluster 2x8xV100-16GB has only 16 devices" in err
+
+
+def test_zero_cost_profile(tmp_path: Path, capsys) -> None:
+    graph = _profile(tmp_path, layers=4, fwd_ms=0.0, params=1000.0)
+    code, _, err = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{graph}",
+        "--cluster",
+        "2x8xV100-16GB",
+        "--global-batch",
+        "64",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 2
+    assert "zero forward and backward time" in err
+
+
+def test_no_plan_fits_names_a_cluster_that_would(tmp_path: Path, capsys) -> None:
+    # 40 layers of 3 GB of parameters: 480 GB with Adam's state, more than 16 x 16 GB.
+    graph = _profile(tmp_path, layers=40, fwd_ms=1.0, params=3e9)
+    code, _, err = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{graph}",
+        "--cluster",
+        "2x8xV100-16GB",
+        "--global-batch",
+        "64",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 2
+    assert "no plan fits in memory on 2x8xV100-16GB" in err
+    # Each 3 GB layer takes 12 GB with Adam: one layer a device, 40 devices, so 5 nodes of 8.
+    assert "The smallest cluster of 8-device nodes that fits is 5x8xV100-16GB" in err
+
+
+def test_one_layer_too_big_for_any_device(tmp_path: Path, capsys) -> None:
+    graph = _profile(tmp_path, layers=2, fwd_ms=1.0, params=5e9)
+    code, _, err = _compile(
+        tmp_path,
+        capsys,
+        f"profile:{graph}",
+        "--cluster",
+        "2x8xV100-16GB",
+        "--global-batch",
+        "64",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 2
+    assert "alone needs 20.0 GB" in err and "devices with more memory" in err
+
+
+@pytest.mark.slow
+def test_example_model_compiles_with_rank_files_and_model_hash(tmp_path: Path, capsys) -> None:
+    from dapple_ir.model_spec import capture_spec, structure_hash
+
+    spec = "examples/mlp.py:factory"
+    code, _, _ = _compile(
+        tmp_path,
+        capsys,
+        spec,
+        "--cluster",
+        "4xV100-16GB",
+        "--global-batch",
+        "32",
+        "--stages",
+        "2",
+        "-o",
+        str(tmp_path / "p"),
+    )
+    assert code == 0
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert len(plan["stages"]) == 2
+    assert plan["model_hash"] == structure_hash(capture_spec(spec, device="meta"))
+    assert sorted(p.name for p in (tmp_path / "p").glob("rank_*.py")) == [f"rank_{r}.py" for r in range(plan["ranks"])]

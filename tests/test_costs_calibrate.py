@@ -1,0 +1,49 @@
+"""`dapple calibrate`: a measured cluster TOML that `--cluster` accepts, and the efficiency fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+from dapple_ir.cluster import DeviceKind, resolve_cluster
+from dapple_ir.commands.calibrate import fit_efficiency
+
+
+def test_fit_efficiency_is_roofline_over_measured(tmp_path: Path) -> None:
+    kind = DeviceKind("toy", 1e9, {"f32": 1e10}, 1e9, op_overhead=0.01)
+    ops = {
+        # Compute bound: roofline 0.1 s forward + 0.2 s backward, measured 0.6 s less two calls' overhead.
+        "mm": {"fwd_s": 0.2, "bwd_s": 0.4, "fwd_flops": 1e9, "bwd_flops": 2e9, "mem_bytes": 1e3, "op_class": "matmul"},
+        # Bandwidth bound: 1e8 bytes at 1 GB/s = 0.1 s forward, twice that backward; measured 1.2 s.
+        "relu": {
+            "fwd_s": 0.4,
+            "bwd_s": 0.8,
+            "fwd_flops": 0.0,
+            "bwd_flops": 0.0,
+            "mem_bytes": 1e8,
+            "op_class": "elementwise",
+        },
+        "x": {"fwd_s": 0.0, "bwd_s": 0.0},
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"microbatch": 1, "ops": ops}))
+    expected = {"elementwise": pytest.approx(0.3 / 1.18, abs=1e-4), "matmul": pytest.approx(0.3 / 0.58, abs=1e-4)}
+    assert fit_efficiency(str(path), kind) == expected
+
+
+def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    entry = {"fwd_s": 1e-3, "bwd_s": 2e-3, "fwd_flops": 1e6, "bwd_flops": 2e6, "mem_bytes": 1e4, "op_class": "matmul"}
+    profile.write_text(json.dumps({"microbatch": 1, "ops": {"fc": entry}}))
+    out = tmp_path / "cluster.toml"
+    assert main(["calibrate", "--devices", "2", "--fit", str(profile), "-o", str(out)]) == 0
+    spec = resolve_cluster(str(out))
+    assert spec.num_devices == 2
+    cpu = spec.device(1)
+    # Loose sanity bounds for any CPU a test runs on: 100 MFLOP/s .. 10 TFLOP/s, 100 MB/s .. 1 TB/s.
+    assert 1e8 < cpu.flops("f32") < 1e13
+    assert 1e8 < cpu.mem_bandwidth < 1e12
+    assert 0 < spec.efficiency_of("matmul") <= 1

@@ -1,0 +1,190 @@
+"""Model specs (`file.py:factory`, `package.module:factory`, `profile:path`) and `dapple dump`."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapple_ir.cli import main
+from dapple_ir.commands.dump import group_of, summary_table
+from dapple_ir.errors import CaptureError
+from dapple_ir.ir import Module, Op, OpAttrs, OpKind, TensorType
+from dapple_ir.model_spec import FactoryResult, capture_spec, load_model_spec
+from dapple_ir.parser import parse_module
+from dapple_ir.verifier import verify_module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FACTORIES = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+def good():
+    return nn.Linear(3, 2), (torch.randn(4, 3),), F.mse_loss, (torch.randn(4, 2),)
+
+def single_tensor():
+    return nn.Linear(3, 2), torch.randn(4, 3), F.mse_loss, torch.randn(4, 2)
+
+def kwargs():
+    return nn.Linear(3, 2), {"input": torch.randn(4, 3)}, F.mse_loss, (torch.randn(4, 2),)
+
+def not_a_tuple():
+    return nn.Linear(3, 2)
+
+def too_long():
+    return 1, 2, 3, 4, 5
+
+def not_a_module():
+    return torch.randn(2), (torch.randn(2),)
+
+def bad_inputs():
+    return nn.Linear(3, 2), "text"
+
+def bad_loss():
+    return nn.Linear(3, 2), (torch.randn(4, 3),), "mse"
+
+def targets_without_loss():
+    return nn.Linear(3, 2), (torch.randn(4, 3),), None, (torch.randn(4, 2),)
+
+def raises():
+    raise ValueError("boom")
+
+constant = 3
+"""
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> str:
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    return str(path)
+
+
+def test_file_spec_loads_and_normalises(factories: str) -> None:
+    loaded = load_model_spec(f"{factories}:good")
+    assert isinstance(loaded, FactoryResult)
+    assert isinstance(loaded.model, torch.nn.Linear)
+    assert len(loaded.example_inputs) == 1 and loaded.example_kwargs is None
+    assert loaded.source == f"{factories}:good"
+    single = load_model_spec(f"{factories}:single_tensor")
+    assert isinstance(single, FactoryResult)
+    assert len(single.example_inputs) == 1 and len(single.example_targets) == 1
+    kw = load_model_spec(f"{factories}:kwargs")
+    assert isinstance(kw, FactoryResult)
+    assert kw.example_inputs == () and kw.example_kwargs is not None and list(kw.example_kwargs) == ["input"]
+
+
+def test_seed_gives_identical_weights_and_meta_gives_none(factories: str) -> None:
+    a, b, c = (load_model_spec(f"{factories}:good", seed=s) for s in (3, 3, 4))
+    assert isinstance(a, FactoryResult) and isinstance(b, FactoryResult) and isinstance(c, FactoryResult)
+    assert torch.equal(a.model.weight, b.model.weight)
+    assert torch.equal(a.example_inputs[0], b.example_inputs[0])
+    assert not torch.equal(a.model.weight, c.model.weight)
+    meta = load_model_spec(f"{factories}:good", device="meta")
+    assert isinstance(meta, FactoryResult)
+    assert meta.model.weight.is_meta and meta.example_inputs[0].is_meta
+
+
+def test_package_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "mymodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    module = capture_spec("mymodels.nets:good", device="cpu", method="fx")
+    verify_module(module)
+    assert module.attrs.source == "mymodels.nets:good"
+    assert [p.name for p in module.params] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("not_a_tuple", r"returned a Linear; a factory returns \(model, example_inputs"),
+        ("too_long", "returned a 5-tuple"),
+        ("not_a_module", "first item the factory returned is a Tensor, not a torch.nn.Module"),
+        ("bad_inputs", "example_inputs is a str"),
+        ("bad_loss", r"third item \(loss_fn\) is a str, not callable"),
+        ("targets_without_loss", "example targets but no loss_fn"),
+        ("raises", "the factory raised ValueError: boom"),
+        ("constant", "is a int, not a function"),
+        ("missing", "has no attribute 'missing'; callables it defines: .*good"),
+    ],
+)
+def test_wrong_factories(factories: str, name: str, message: str) -> None:
+    with pytest.raises(CaptureError, match=message):
+        load_model_spec(f"{factories}:{name}")
+
+
+def test_specs_that_do_not_resolve(tmp_path: Path) -> None:
+    with pytest.raises(CaptureError, match=r"file nowhere/model.py does not exist"):
+        load_model_spec("nowhere/model.py:factory")
+    with pytest.raises(CaptureError, match=r"is not of the form path/to/file.py:factory"):
+        load_model_spec("examples/gpt.py")
+    with pytest.raises(CaptureError, match="no module named 'no_such_package_xyz'"):
+        load_model_spec("no_such_package_xyz.models:factory")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise ImportError('needs transformers')\n")
+    with pytest.raises(CaptureError, match=r"importing .*broken.py raised ImportError: needs transformers"):
+        load_model_spec(f"{broken}:factory")
+    with pytest.raises(CaptureError, match="device must be 'cpu' or 'meta'"):
+        load_model_spec(f"{broken}:factory", device="cuda")
+
+
+def test_profile_specs_go_to_the_profile_importer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int | None]] = []
+    sentinel = Module("imported")
+
+    def import_profile(path: str, batch: int | None = None) -> Module:
+        calls.append((path, batch))
+        return sentinel
+
+    fake = types.ModuleType("dapple_ir.profile_import")
+    fake.import_profile = import_profile  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dapple_ir.profile_import", fake)
+    assert load_model_spec("profile:some/graph.txt", profile_batch=32) is sentinel
+    assert capture_spec("profile:other.txt") is sentinel
+    assert calls == [("some/graph.txt", 32), ("other.txt", None)]
+
+
+def test_dump_prints_ir_that_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump", str(ROOT / "examples" / "mlp.py") + ":factory", "--method", "fx"]) == 0
+    module = parse_module(capsys.readouterr().out)
+    verify_module(module)
+    assert module.attrs.capture_method == "fx" and module.attrs.batch == 8
+
+
+def test_dump_summary_counts_parameters_per_module(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump", str(ROOT / "examples" / "mlp.py") + ":factory", "--summary"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line and not line.startswith("-")}
+    # Linear(16, 64), Linear(64, 64) x 2, Linear(64, 8): weights and biases in closed form.
+    assert rows["0"][2] == f"{(16 * 64 + 64) / 1e3:.2f}k"
+    assert rows["6"][2] == str(64 * 8 + 8)
+    assert rows["total"][2] == f"{(16 * 64 + 64 + 2 * (64 * 64 + 64) + 64 * 8 + 8) / 1e3:.2f}k"
+    assert "fwd FLOPs" in out.splitlines()[1]
+
+
+def test_dump_reports_capture_errors_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump", str(ROOT / "examples" / "control_flow.py") + ":factory", "--method", "fx"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot capture ChunkedMixer with fx")
+    assert "Traceback" not in err
+
+
+def test_summary_groups_containers_by_item_and_writes_only_set_columns() -> None:
+    x = Op("x", OpKind.INPUT, [], TensorType("f32", (2, 4)), attrs=OpAttrs(index=0))
+    a = Op("a", OpKind.CALL_MODULE, [x], TensorType("f32", (2, 4)), "blocks.0.fc", OpAttrs(module_path="blocks.0.fc"))
+    b = Op("b", OpKind.CALL_MODULE, [a], TensorType("f32", (2, 4)), "head", OpAttrs(module_path="head", fwd_s=0.5))
+    module = Module("m", ops=[x, a, b])
+    assert [group_of(op) for op in module.ops] == ["(inputs)", "blocks.0", "head"]
+    table = summary_table(module)
+    header = table.splitlines()[1].split()
+    assert "out" in header and "time" in header and "FLOPs" not in header
+    assert "32 B" in table  # the f32[2,4] result of blocks.0
