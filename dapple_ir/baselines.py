@@ -17,7 +17,8 @@ from dapple_ir.pipeline_cost import Candidate, Estimate, Problem, candidate, eva
 def _microbatches(problem: Problem) -> list[int]:
     """The usual counts, and larger ones a user would try when activations do not fit."""
     usual = microbatch_choices(problem.global_batch, problem.cluster.num_devices)
-    larger = [m for m in (2**k for k in range(1, 16)) if max(usual) < m <= problem.global_batch]
+    g = problem.global_batch
+    larger = [m for m in (2**k for k in range(1, 16)) if max(usual) < m <= g and g % m == 0]
     larger += [problem.global_batch] if problem.global_batch not in (*usual, *larger) else []
     return usual + larger[-2:]
 

@@ -294,7 +294,12 @@ def microbatch_choices(global_batch: int, devices: int, limit: int = 4) -> list[
     """A few microbatch counts worth searching: the largest power-of-two divisors up to 8 per device
     (at most 1024, and at least 16 per device where memory needs small microbatches)."""
     cap = min(global_batch, max(8 * devices, 16), 1024)
-    powers = [m for m in (2**k for k in range(11)) if m <= cap and global_batch % m == 0]
-    if not powers:
-        return [1]
-    return sorted(powers[-limit:])
+    divisors = [m for m in range(cap, 0, -1) if global_batch % m == 0]
+    # The largest divisor, then roughly halving: 96 -> 96, 48, 24, 12; 100 -> 100, 50, 25, 10.
+    chosen = [divisors[0]]
+    for m in divisors:
+        if len(chosen) == limit:
+            break
+        if m <= chosen[-1] // 2:
+            chosen.append(m)
+    return sorted(chosen)

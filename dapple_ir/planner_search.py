@@ -88,8 +88,16 @@ def search(module: Module, problem: Problem, req: Request, simulate: bool = True
             pool.append(Scored(cand, evaluate(problem, cand)))
     bound = min((s.estimate.iteration_s for s in pool if s.estimate.fits), default=math.inf)
     if req.method in ("dp", "auto"):
+        # Small instances get uncapped Pareto fronts: the DP is then exact for the cost model.
+        front = None if problem.layers * cluster.num_devices <= 128 else 3
         for cand, est in plan_dp(
-            problem, microbatches=ms, schedules=[schedule], policies=policies, stages=req.stages, bound=bound * 1.25
+            problem,
+            microbatches=ms,
+            schedules=[schedule],
+            policies=policies,
+            stages=req.stages,
+            bound=bound * 1.25,
+            front=front,
         ):
             pool.append(Scored(cand, est))
         if cluster.num_devices > 64 and req.stages is None and req.policy in (None, "auto"):
@@ -111,7 +119,8 @@ def search(module: Module, problem: Problem, req: Request, simulate: bool = True
             pool.append(Scored(cand, est, note=note))
     if not any(s.estimate.fits for s in pool) and req.microbatches is None and req.method != "ilp":
         # Smaller microbatches hold fewer activations: try the counts above the usual range.
-        larger = [m for m in (2**k for k in range(1, 16)) if max(ms) < m <= problem.global_batch]
+        g = problem.global_batch
+        larger = [m for m in (2**k for k in range(1, 16)) if max(ms) < m <= g and g % m == 0]
         larger += [problem.global_batch] if problem.global_batch not in larger else []
         for cand, est in plan_dp(
             problem, microbatches=larger[-4:], schedules=[schedule], policies=policies, stages=req.stages

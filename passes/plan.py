@@ -39,7 +39,7 @@ class Plan(Pass):
         if not global_batch:
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
         problem = problem_from_module(module, cluster, int(global_batch))
-        outcome = search(module, problem, request, simulate=self.simulate and self.method != "ilp-only")
+        outcome = search(module, problem, request, simulate=self.simulate)
         write_stages(module, problem, outcome.chosen.cand)
         module.attrs.cluster = cluster_text
         module.attrs.predicted_iteration_s = outcome.chosen.time_s

@@ -37,8 +37,10 @@ def _problem(
     )
 
 
-def _exhaustive(problem: Problem, microbatches: int, schedule: str, stages: int | None = None) -> float:
-    """Every contiguous partition × every replica vector (append-first placement), best fitting time."""
+def _exhaustive(
+    problem: Problem, microbatches: int, schedule: str, stages: int | None = None, policy: str = "append-first"
+) -> float:
+    """Every contiguous partition × every replica vector, placed by `policy`, best fitting time."""
     layers, best = problem.layers, math.inf
     choices = replica_choices(problem.cluster)
     for s in range(1, layers + 1):
@@ -47,7 +49,7 @@ def _exhaustive(problem: Problem, microbatches: int, schedule: str, stages: int 
         for cuts in itertools.combinations(range(1, layers), s - 1):
             bounds = [0, *cuts, layers]
             for reps in itertools.product(choices, repeat=s):
-                cand = candidate(problem, bounds, list(reps), microbatches, schedule, "append-first", "exhaustive")
+                cand = candidate(problem, bounds, list(reps), microbatches, schedule, policy, "exhaustive")
                 if cand is None:
                     continue
                 est = evaluate(problem, cand)
@@ -63,9 +65,9 @@ CLUSTERS = ["2x2xV100-16GB", "4xV100-16GB", "3x1xV100-16GB"]
 def test_dp_matches_exhaustive_search(seed: int) -> None:
     cluster = parse_shorthand(CLUSTERS[seed % len(CLUSTERS)])
     problem = _problem(seed, layers=5, cluster=cluster, memory_tight=seed % 2 == 1)
-    for m, schedule in ((4, "1f1b"), (8, "gpipe")):
-        want = _exhaustive(problem, m, schedule)
-        got = solve(problem, m, schedule, "append-first", front=None)
+    for m, schedule, policy in ((4, "1f1b", "append-first"), (8, "gpipe", "append-first"), (4, "1f1b", "fresh-first")):
+        want = _exhaustive(problem, m, schedule, policy=policy)
+        got = solve(problem, m, schedule, policy, front=None)
         if want == math.inf:
             assert got is None
             continue

@@ -1,0 +1,65 @@
+"""The plan pass honours every forced choice and writes what the lowering passes need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.errors import PassError
+from dapple_ir.ir import Module
+from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.profile_import import import_profile
+from dapple_ir.registry import PassContext
+
+VGG19 = Path("/work/shared/profiles/dapple-vgg-19-pbs-32.txt")
+
+
+def _planned(options: str, cluster: str = "2x8xV100-16GB", global_batch: int = 256) -> tuple[Module, PassContext]:
+    module = import_profile(str(VGG19))
+    module.attrs.global_batch = global_batch
+    ctx = PassContext(cluster=cluster)
+    PassManager(build_pipeline(f"coarsen,plan{{{options}}}")).run(module, ctx)
+    return module, ctx
+
+
+def test_forced_choices_are_kept() -> None:
+    module, ctx = _planned("method=dp,stages=3,microbatches=32,schedule=gpipe,policy=fresh-first,simulate=false")
+    assert len(module.stages) == 3
+    attrs = module.attrs
+    assert (attrs.microbatches, attrs.microbatch_size, attrs.global_batch) == (32, 8, 256)
+    assert attrs.schedule == "gpipe" and attrs.cluster == "2x8xV100-16GB"
+    # fresh-first: a stage that follows a partly used node starts on the next node.
+    used: list[int] = []
+    for stage in module.stages:
+        devices = list(stage.attrs.devices or ())
+        assert len(devices) == stage.replicas
+        if used and used[-1] % 8 != 7 and devices[0] != used[-1] + 1:
+            assert devices[0] % 8 == 0
+        used += devices
+    assert len(set(used)) == len(used)
+    assert any("CHOSEN" in line for line in ctx.reports["plan"])
+
+
+def test_every_op_lands_in_one_stage_in_pipeline_order() -> None:
+    module, _ = _planned("method=dp,simulate=false")
+    position = {op: i for i, op in enumerate(module.ops)}
+    flat = [op for stage in module.stages for op in stage.ops]
+    assert sorted(flat, key=position.__getitem__) == module.ops
+    assert [position[op] for op in flat] == sorted(position[op] for op in flat)
+    assert module.attrs.predicted_iteration_s is not None and module.attrs.predicted_iteration_s > 0
+
+
+def test_plan_needs_a_cluster_and_a_global_batch() -> None:
+    module = import_profile(str(VGG19))
+    with pytest.raises(PassError, match="no cluster"):
+        PassManager(build_pipeline("coarsen,plan")).run(module, PassContext())
+    with pytest.raises(PassError, match="no global batch"):
+        PassManager(build_pipeline("coarsen,plan")).run(import_profile(str(VGG19)), PassContext(cluster="4xV100-16GB"))
+
+
+def test_bad_option_values() -> None:
+    with pytest.raises(PassError, match="method must be one of"):
+        _planned("method=greedy")
+    with pytest.raises(PassError, match="stages must be auto or a positive integer"):
+        _planned("stages=many")
