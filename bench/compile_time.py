@@ -114,40 +114,11 @@ def run_fresh(layers: int, devices: int, quick: bool, timeout: float) -> dict[st
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny 2-layer GPT on 8 devices")
-    parser.add_argument("--json", help="write the report here")
-    parser.add_argument("--budget", type=float, default=600.0, help="seconds for the whole benchmark")
-    parser.add_argument("--one", nargs=2, type=int, metavar=("LAYERS", "DEVICES"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.one:
-        print(json.dumps(one_config(args.one[0], args.one[1], args.quick)))
-        return 0
-
-    started = time.time()
-    layer_counts = (2,) if args.quick else (12, 24, 48, 96)
-    device_counts = (8,) if args.quick else (8, 64, 512, 1024)
-    results: list[dict[str, Any]] = []
-    grid = [(layer, d) for layer in layer_counts for d in device_counts]
-    # Most telling first, in case the budget runs out: growth with devices at the fewest layers, growth
-    # with layers on the most devices (the headline: the largest model on the largest cluster), then
-    # growth with layers on the fewest devices, then the rest. The table is sorted back by (layers, devices).
-    lo, hi, few = layer_counts[0], device_counts[-1], device_counts[0]
-    first = (
-        [(lo, d) for d in device_counts] + [(layer, hi) for layer in layer_counts] + [(ly, few) for ly in layer_counts]
-    )
-    configs = list(dict.fromkeys([*first, *grid]))
-    for i, (layer, d) in enumerate(configs):
-        left = args.budget - (time.time() - started)
-        if left < 10:
-            results.append({"layers": layer, "devices": d, "failed": "skipped: benchmark budget spent"})
-            continue
-        # Later (larger) configurations get what the earlier ones left over, at least their share.
-        share = max(left / (len(configs) - i), min(left, 240.0))
-        results.append(run_fresh(layer, d, args.quick, share))
-
-    results.sort(key=lambda r: (r["layers"], r["devices"]))
+def build_report(
+    results: list[dict[str, Any]], layer_counts: tuple[int, ...], device_counts: tuple[int, ...]
+) -> tuple[Report, list[dict[str, Any]]]:
+    """The tables for the configurations measured so far; also the rows where every phase ran."""
+    results = sorted(results, key=lambda r: (r["layers"], r["devices"]))
     table = Table(
         "Compile time per phase (seconds) and peak RSS, GPT-2 XL-width models on A100-80GB clusters",
         ["layers", "devices", "ops", "stages x replicas", "ranks", "capture s", "plan s", "lower s", "emit s",
@@ -190,6 +161,45 @@ def main(argv: list[str] | None = None) -> int:
             f"{worst['layers']}-layer GPT on {worst['devices']} devices compiles in {total:.1f} s "
             f"(plan {worst['plan']:.1f} s), peak RSS {worst['maxrss_mib']:.0f} MiB"
         )
+    return report, done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny 2-layer GPT on 8 devices")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--budget", type=float, default=600.0, help="seconds for the whole benchmark")
+    parser.add_argument("--one", nargs=2, type=int, metavar=("LAYERS", "DEVICES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_config(args.one[0], args.one[1], args.quick)))
+        return 0
+
+    started = time.time()
+    layer_counts = (2,) if args.quick else (12, 24, 48, 96)
+    device_counts = (8,) if args.quick else (8, 64, 512, 1024)
+    results: list[dict[str, Any]] = []
+    grid = [(layer, d) for layer in layer_counts for d in device_counts]
+    # Most telling first, in case the budget runs out: growth with devices at the fewest layers, growth
+    # with layers on the most devices (the headline: the largest model on the largest cluster), then
+    # growth with layers on the fewest devices, then the rest. The table is sorted back by (layers, devices).
+    lo, hi, few = layer_counts[0], device_counts[-1], device_counts[0]
+    first = (
+        [(lo, d) for d in device_counts] + [(layer, hi) for layer in layer_counts] + [(ly, few) for ly in layer_counts]
+    )
+    configs = list(dict.fromkeys([*first, *grid]))
+    for i, (layer, d) in enumerate(configs):
+        left = args.budget - (time.time() - started)
+        if left < 10:
+            results.append({"layers": layer, "devices": d, "failed": "skipped: benchmark budget spent"})
+            continue
+        # Later (larger) configurations get what the earlier ones left over, at least their share.
+        share = max(left / (len(configs) - i), min(left, 240.0))
+        results.append(run_fresh(layer, d, args.quick, share))
+        if args.json:  # what is done so far survives a hard stop at run_all's limit
+            build_report(results, layer_counts, device_counts)[0].save(args.json)
+
+    report, done = build_report(results, layer_counts, device_counts)
     plot = _plot(done, plot_path(args.json, "compile_time.png"))
     if plot:
         report.plots.append(plot)

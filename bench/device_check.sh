@@ -7,9 +7,16 @@
 #   3. one compile of a large model (GPT-2 XL size, 48 layers, meta device) for 4x8 H100s.
 # Usage:  bash bench/device_check.sh            (from anywhere; exits 2 at once without CUDA)
 #         DEVICE_CHECK_DEVICE=cpu bash bench/device_check.sh   (dry run of the same steps on CPU)
+# On a bare GPU machine (python3 with torch, no .venv) the checkout is installed into /tmp first; its
+# image lacks lark and ortools, so carry their wheels in .whl/ (see /work/.library/device/README.md):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl lark==1.3.1 ortools==9.15.6755 immutabledict==4.3.1
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 DEVICE=${DEVICE_CHECK_DEVICE:-cuda}
 
 if [ "$DEVICE" = "cuda" ]; then
@@ -18,6 +25,16 @@ if [ "$DEVICE" = "cuda" ]; then
     echo "device_check: run it on a GPU machine, or DEVICE_CHECK_DEVICE=cpu for a dry run on CPU." >&2
     exit 2
   fi
+fi
+
+if ! "$PY" -c 'import dapple_ir.passes, lark' 2>/dev/null; then
+  echo "device_check: dapple_ir is not importable by $PY; installing the carried wheels and this checkout into /tmp" >&2
+  if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/dapple-site .
+  export PYTHONPATH="/tmp/dapple-site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -c 'import dapple_ir.passes, lark' || { echo "device_check: still cannot import dapple_ir (lark missing?)" >&2; exit 3; }
 fi
 
 exec timeout 540 "$PY" - "$DEVICE" <<'PYTHON'

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     series: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
     act_errors: list[float] = []
     model_hash = structure_hash(module)
+    report = Report("memory", "Activation memory: predicted vs measured", [table])
     planned = plan_stages(module, args.stages, counts[-1])
     split = [len(s.ops) for s in planned.stages]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-mem-") as tmp:
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{100 * act_err:+.1f}%", (r["static"] + r["live"]) / kib, r["measured"] / kib,
                         f"{100 * peak_err:+.1f}%",
                     )  # fmt: skip
+                if args.json:
+                    report.save(args.json)  # partial results survive a hard stop
     table.notes += [
         f"one stage split for every row: the planner's for M={counts[-1]} ({split} ops per stage); only the "
         "schedule passes rerun per row.",
@@ -129,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         "measured with the threads transport (all ranks in one process); the runtime's meter counts every "
         "storage it holds once, autograd's saved tensors included.",
     ]
-    report = Report("memory", "Activation memory: predicted vs measured", [table])
     if act_errors:
         worst = max(act_errors)
         report.headlines.append(

@@ -80,9 +80,13 @@ def run_one(bench: Bench, quick: bool, results: Path) -> Outcome:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=bench.budget_s)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return Outcome(
-            bench, time.time() - started, output=out, failure=f"not available: over its {bench.budget_s:.0f} s budget"
-        )
+        # Benchmarks save their JSON after every row: keep what was measured before the stop.
+        partial = load_report(json_path) if bench.json and json_path.is_file() else None
+        if partial is not None:
+            why = f"partial: stopped at its {bench.budget_s:.0f} s budget; the rows measured before the stop follow"
+        else:
+            why = f"not available: over its {bench.budget_s:.0f} s budget"
+        return Outcome(bench, time.time() - started, report=partial, output=out, failure=why)
     seconds = time.time() - started
     print(proc.stdout, flush=True)
     if proc.returncode != 0:
@@ -144,7 +148,7 @@ def render(outcomes: list[Outcome], info: list[tuple[str, str]], loads: tuple[st
     for o in outcomes:
         if o.report:
             lines += [f"- **{o.bench.name}**: {h}" for h in o.report.headlines]
-        elif o.failure:
+        if o.failure:
             lines.append(f"- **{o.bench.name}**: {o.failure}")
     for o in outcomes:
         title = o.report.title if o.report else o.bench.name.replace("_", " ")

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [Config("tiny", 2, "1f1b", 4, 32, steps=3, warmup=1)]
         pairs = 1
     else:
-        cases = [Config("bench", p, s, 8, 256, steps=8, warmup=2) for p in (2, 4) for s in ("gpipe", "1f1b")]
+        cases = [Config("bench", p, s, 8, 256, steps=12, warmup=2) for p in (2, 4) for s in ("gpipe", "1f1b")]
         pairs = args.pairs
     table = Table(
         "Our runtime vs torch.distributed.pipelining (CPU, gloo, 1 thread per rank)",
@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             report.headlines.append(
                 f"{cfg.procs} procs {cfg.schedule}: ours {r['ratio']:.2f}x the speed of torch.distributed.pipelining"
             )
+            if args.json:
+                report.save(args.json)  # what is done so far survives a hard stop at run_all's limit
     model = "tiny MLP (width 32, 4 layers)" if args.quick else "MLP width 512, 8 Linear layers (2.1M parameters)"
     table.notes += [
         f"model: bench/bench_models.py ({model}), global batch {cases[0].global_batch}, SGD; {pairs} A/B pair(s), "

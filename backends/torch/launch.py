@@ -121,6 +121,8 @@ def run(
         raise DappleError("--check compares every rank's parameters, so it needs all ranks on one node (nnodes = 1)")
     for rank in range(plan.ranks):
         check_rank_file(plan, rank)  # refuse a stale or edited rank file before starting any process
+    if transport == "torchrun":
+        _check_torchrun_can_start(rdzv_endpoint, node_rank)
     # Threads share this process's cores: one intra-op pool per rank would oversubscribe them, and
     # spinning pools on a busy machine run many times slower than a single thread each.
     threads = max(1, (os.cpu_count() or 1) // plan.ranks) if transport == "threads" else torch.get_num_threads()
@@ -206,6 +208,32 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _check_torchrun_can_start(rdzv_endpoint: str | None, node_rank: int) -> None:
+    """Refuse, before any process starts, a launch that could only fail or hang."""
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        raise DappleError(
+            f"this torch build ({torch.__version__}) has no torch.distributed, so torchrun cannot start "
+            "the ranks; install a torch build with distributed support, or run all ranks in one process "
+            "with --transport threads"
+        )
+    if not rdzv_endpoint or node_rank != 0:
+        return
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if host not in ("127.0.0.1", "localhost", "0.0.0.0", "") or not port.isdigit():
+        return
+    # Node 0 hosts the rendezvous store: a port someone else holds would make torchrun hang or fail late.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1" if host in ("localhost", "") else host, int(port)))
+        except OSError:
+            raise DappleError(
+                f"port {port} of the rendezvous endpoint {rdzv_endpoint} is already in use (another run or "
+                "program holds it); pick another port, or leave out --rdzv-endpoint to use a free one"
+            ) from None
 
 
 def torchrun_command(

@@ -85,6 +85,13 @@ def load_plan(plan_dir: str | Path) -> Plan:
         raise DappleError(f"{json_path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); was it edited?") from exc
     if not isinstance(meta, dict):
         raise DappleError(f"{json_path} must hold a JSON object")
+    spec = str(meta.get("model_spec", ""))
+    if spec.startswith("profile:"):
+        raise DappleError(
+            f"plan {path} was compiled from the imported profile {spec[len('profile:') :]}, which has costs but "
+            "no executable model: it can be planned and simulated (`dapple simulate`), not run; compile a model "
+            "spec (file.py:factory) to train"
+        )
     text = ir_path.read_text()
     module = parse_module(text, str(ir_path))
     plan = Plan(path, module, meta, ir_digest(text))

@@ -1,0 +1,164 @@
+"""The most likely mistakes a new user makes, each answered by one clear paragraph and no traceback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT.parent / "shared" / "profiles"
+BERT = PROFILES / "dapple-bert-48-pbs-2.txt"
+
+UNCAPTURABLE = """
+import torch
+from torch import nn
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # depends on the data: neither fx nor export can capture it
+            return self.fc(x).sum()
+        return x.sum()
+
+def factory():
+    return Branchy(), (torch.randn(2, 4),)
+
+def only_model():
+    return Branchy()
+"""
+
+
+def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run `dapple ARGV`, check it failed the way a user error should, return the message."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err
+    # Progress lines may come first; the error is the last thing printed, one paragraph.
+    assert "error: " in err, err
+    message = err[err.index("error: ") :]
+    assert "\n\n" not in message, "the error must be one paragraph"
+    return message
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "branchy.py"
+    path.write_text(UNCAPTURABLE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plans") / "mlp"
+    code = main(["compile", "examples/mlp.py:factory", "--cluster", "1x2xcpu", "--global-batch", "8", "-o", str(out)])
+    assert code == 0
+    return out
+
+
+def test_model_file_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    message = _error(
+        capsys, "compile", "nope.py:factory", "--cluster", "1x2xcpu", "--global-batch", "8", "-o", str(tmp_path / "p")
+    )
+    assert "file nope.py does not exist" in message
+    assert not (tmp_path / "p").exists()
+
+
+def test_factory_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    message = _error(capsys, "dump", "examples/mlp.py:nope")
+    assert "has no attribute 'nope'" in message and "factory" in message
+
+
+def test_factory_returns_the_wrong_thing(capsys: pytest.CaptureFixture[str], model_file: Path) -> None:
+    message = _error(capsys, "dump", f"{model_file}:only_model")
+    assert "only_model" in message
+
+
+def test_model_that_cannot_be_captured(capsys: pytest.CaptureFixture[str], model_file: Path) -> None:
+    message = _error(capsys, "dump", f"{model_file}:factory")
+    assert "fx" in message and "export" in message
+
+
+def test_unknown_device_kind(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", "2x8xV200", "--global-batch", "8", "-o", str(tmp_path / "p")
+    )
+    assert "unknown device kind 'V200'" in message and "V100-16GB" in message
+
+
+def test_global_batch_not_divisible(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", "1x2xV100-16GB", "--global-batch", "7",
+        "--microbatches", "2", "-o", str(tmp_path / "p"),
+    )  # fmt: skip
+    assert "global batch 7 is not divisible into 2 microbatches" in message
+
+
+def test_more_stages_than_devices(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", "1x2xV100-16GB", "--global-batch", "8",
+        "--stages", "4", "-o", str(tmp_path / "p"),
+    )  # fmt: skip
+    assert "4 stages were requested but cluster 1x2xV100-16GB has only 2 devices" in message
+
+
+def test_plan_that_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "p"
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", "1x1xcpu", "--global-batch", "8", "-o", str(out)
+    )
+    assert "no plan fits in memory" in message and "--cluster 2x1xcpu" in message
+    assert not out.exists(), "a failed compile leaves no plan directory"
+
+
+def test_unknown_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    golden = str(ROOT / "tests" / "golden" / "ir" / "all_shapes.dapple")
+    message = _error(capsys, "opt", golden, "-p", "dce,shedule")
+    assert "unknown pass 'shedule'; registered passes are:" in message and "schedule" in message
+
+
+def test_malformed_ir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.dapple"
+    bad.write_text("module @m {\n  %x = input f32[3]\n}\n")
+    err = _error(capsys, "opt", str(bad))
+    assert err.startswith(f"error: {bad}:2:")
+
+
+def test_plan_directory_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    message = _error(capsys, "run", str(tmp_path / "nowhere"), "--steps", "1")
+    assert "does not exist; create one with `dapple compile" in message
+
+
+def test_running_a_profile_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "bert"
+    assert (
+        main(["compile", f"profile:{BERT}", "--cluster", "1x4xV100-16GB", "--global-batch", "8", "-o", str(out)]) == 0
+    )
+    capsys.readouterr()
+    message = _error(capsys, "run", str(out), "--steps", "1")
+    assert "can be planned and simulated" in message and "not run" in message
+
+
+def test_missing_torchrun(capsys: pytest.CaptureFixture[str], cpu_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    message = _error(capsys, "run", str(cpu_plan), "--steps", "1")
+    assert "has no torch.distributed, so torchrun cannot start" in message and "--transport threads" in message
+
+
+def test_port_in_use(capsys: pytest.CaptureFixture[str], cpu_plan: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        message = _error(capsys, "run", str(cpu_plan), "--steps", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert f"port {port} of the rendezvous endpoint 127.0.0.1:{port} is already in use" in message
