@@ -11,10 +11,9 @@ from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.profile_import import import_profile
 from dapple_ir.verifier import verify_module
+from tests.paths import PROFILE_FILES
 
-PROFILES = sorted(Path("/work/shared/profiles").glob("*.txt")) or sorted(
-    (Path(__file__).resolve().parents[2] / "shared" / "profiles").glob("*.txt")
-)
+PROFILES = PROFILE_FILES
 
 
 def _read_profile(path: Path) -> tuple[dict[str, tuple[float, float]], list[tuple[str, str]]]:

@@ -9,8 +9,8 @@ import pytest
 
 from dapple_ir.cli import main
 from dapple_ir.simulator import simulate
+from tests.paths import PROFILES
 
-PROFILES = Path("/work/shared/profiles")
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dapple_ir.errors import PassError
@@ -11,8 +9,9 @@ from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.profile_import import import_profile
 from dapple_ir.registry import PassContext
+from tests.paths import PROFILES
 
-VGG19 = Path("/work/shared/profiles/dapple-vgg-19-pbs-32.txt")
+VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
 
 
 def _planned(options: str, cluster: str = "2x8xV100-16GB", global_batch: int = 256) -> tuple[Module, PassContext]:

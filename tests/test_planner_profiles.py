@@ -17,8 +17,9 @@ from dapple_ir.pipeline_cost import problem_from_module
 from dapple_ir.planner_search import Request, lower_and_simulate, search
 from dapple_ir.profile_import import import_profile
 from dapple_ir.registry import PassContext
+from tests.paths import PROFILE_FILES
 
-PROFILES = sorted(Path("/work/shared/profiles").glob("*.txt"))
+PROFILES = PROFILE_FILES
 CLUSTERS = ["2x8xV100-16GB", "16x1xV100-16GB"]
 EXAMPLES = ["examples/gpt.py:factory", "examples/cnn.py:factory", "examples/mlp.py:factory"]
 

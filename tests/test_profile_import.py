@@ -13,10 +13,8 @@ from dapple_ir.parser import parse_module
 from dapple_ir.printer import print_module
 from dapple_ir.profile_import import import_profile
 from dapple_ir.verifier import verify_module
+from tests.paths import PROFILES
 
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
-if not PROFILES.is_dir():
-    PROFILES = Path("/work/shared/profiles")
 FILES = sorted(PROFILES.glob("*.txt"))
 EXPECTED_BATCH = {
     "pipedream-vgg16.txt": 64,
@@ -111,3 +109,8 @@ def test_malformed_profiles_name_the_line(tmp_path: Path, content: str, fragment
 def test_missing_profile_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(CaptureError, match=r"nothere\.txt"):
         import_profile(str(tmp_path / "nothere.txt"))
+
+
+def test_all_six_shared_profiles_are_found() -> None:
+    # Guards the parametrised tests: an empty glob would silently test nothing.
+    assert len(FILES) == 6, f"expected the six profiles in {PROFILES}"
