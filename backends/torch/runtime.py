@@ -87,7 +87,10 @@ class StepData:
     def value(self, name: str, step: int, mb: int) -> Any:
         if step != self._step:
             self._flat, self._step = self.batch_of_step(step), step
-        return microbatch((self._flat[self.input_index[name]],), mb, self.microbatch_size)[0]
+        part = microbatch((self._flat[self.input_index[name]],), mb, self.microbatch_size)[0]
+        # A copy, not a view: a view would keep (and the memory meter would count) the whole global
+        # batch alive for as long as the runtime holds this microbatch.
+        return part.clone() if isinstance(part, torch.Tensor) else part
 
 
 class Runtime:
@@ -206,7 +209,7 @@ class Runtime:
                 torch.autograd.backward(outs, grads)
             for name, leaf in rec.leaves.items():
                 self._add_grad(name, mb, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-            self._release(rec)
+            self._release(stage, mb, rec)
 
     def backward_input(self, stage: str, mb: int) -> None:
         with self._instr("backward_input", stage, mb, None):
@@ -230,7 +233,7 @@ class Runtime:
             if outs and params:
                 # Only the parameters accumulate: the input gradients were taken by backward_input.
                 torch.autograd.backward(outs, grads, inputs=params)
-            self._release(rec)
+            self._release(stage, mb, rec)
 
     def send(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
         with self._instr("send", None, mb, peer):
@@ -238,6 +241,10 @@ class Runtime:
             if isinstance(payload, torch.Tensor):
                 payload = payload.detach()
             self.pending.append(self.transport.isend(payload, peer, self._tag(value, mb, grad)))
+            if grad:
+                # A value's gradient goes back to its one producer: once sent, this rank is done with it
+                # (the transport keeps the payload alive until the send completes).
+                self.grads.pop((value, mb), None)
 
     def recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
         with self._instr("recv", None, mb, peer):
@@ -384,7 +391,15 @@ class Runtime:
             return torch.zeros_like(value)
         raise DappleError(f"%{name} is not a tensor, so it has no gradient to send")
 
-    def _release(self, rec: _Record) -> None:
+    def _release(self, stage: str, mb: int, rec: _Record) -> None:
+        # The backward is this microbatch's last use of what the stage produced and loaded: every send
+        # of an output followed its forward, and later local consumers hold their own saved tensors.
+        # Dropping them here is what makes 1f1b's activation memory flat in M, as the IR predicts.
+        for name in rec.outputs:
+            self.values.pop((name, mb), None)
+        others = {n for other, sm in self.stages.items() if other != stage for n in sm.data_inputs}
+        for name in set(self._stage(stage).data_inputs) - others:
+            self.values.pop((name, mb), None)
         rec.outputs.clear()
         rec.loss = None
         rec.saved.clear()
