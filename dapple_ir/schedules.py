@@ -112,9 +112,16 @@ def gpipe(request: ScheduleRequest) -> dict[int, list[Work]]:
     return {s: [Work(F, s, m) for m in mbs] + [Work(B, s, m) for m in mbs] for s in range(request.stages)}
 
 
-def _early_backward(stage: int, stages: int, m: int, backward: Callable[[int], list[Work]]) -> list[Work]:
-    """min(S-s, M) warm-up forwards, then one backward (`backward(mb)`) and one forward, then the drain."""
-    warmup = min(stages - stage, m)
+def _early_backward(
+    stage: int, stages: int, m: int, backward: Callable[[int], list[Work]], replicas: int = 1
+) -> list[Work]:
+    """min((S-s)·R, M) warm-up forwards, then one backward (`backward(mb)`) and one forward, then the drain.
+
+    `replicas` is the replica count R every stage shares (1 when they differ): R replicas of each
+    stage are R independent pipelines over the microbatches m % R == j, and each needs S-s of its own
+    microbatches in flight, so the group-wide order warms up with (S-s)·R of them.
+    """
+    warmup = min((stages - stage) * replicas, m)
     order = [Work(F, stage, mb) for mb in range(warmup)]
     for mb in range(warmup, m):
         order += [*backward(mb - warmup), Work(F, stage, mb)]
@@ -132,8 +139,14 @@ def one_f_one_b(request: ScheduleRequest) -> dict[int, list[Work]]:
         def backward(mb: int, s: int = s) -> list[Work]:
             return [Work(B, s, mb)]
 
-        orders[s] = _early_backward(s, request.stages, request.microbatches, backward)
+        orders[s] = _early_backward(s, request.stages, request.microbatches, backward, _uniform_replicas(request))
     return orders
+
+
+def _uniform_replicas(request: ScheduleRequest) -> int:
+    """The replica count all stages share, else 1 (uneven replication keeps the unreplicated warm-up)."""
+    counts = set(request.replicas)
+    return counts.pop() if len(counts) == 1 else 1
 
 
 def _zb_order(stage: int, request: ScheduleRequest, defer: int) -> list[Work]:
