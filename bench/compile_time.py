@@ -179,22 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     layer_counts = (2,) if args.quick else (12, 24, 48, 96)
     device_counts = (8,) if args.quick else (8, 64, 512, 1024)
     results: list[dict[str, Any]] = []
-    grid = [(layer, d) for layer in layer_counts for d in device_counts]
-    # Most telling first, in case the budget runs out: growth with devices at the fewest layers, growth
-    # with layers on the most devices (the headline: the largest model on the largest cluster), then
-    # growth with layers on the fewest devices, then the rest. The table is sorted back by (layers, devices).
-    lo, hi, few = layer_counts[0], device_counts[-1], device_counts[0]
-    first = (
-        [(lo, d) for d in device_counts] + [(layer, hi) for layer in layer_counts] + [(ly, few) for ly in layer_counts]
-    )
-    configs = list(dict.fromkeys([*first, *grid]))
-    for i, (layer, d) in enumerate(configs):
+    # The headline (the largest model on the largest cluster) first, then the cheapest first, so that a
+    # spent budget loses the fewest rows; the table is sorted back by (layers, devices).
+    grid = sorted(((layer, d) for layer in layer_counts for d in device_counts), key=lambda c: (c[1], c[0]))
+    configs = list(dict.fromkeys([(layer_counts[-1], device_counts[-1]), *grid]))
+    for layer, d in configs:
         left = args.budget - (time.time() - started)
         if left < 10:
             results.append({"layers": layer, "devices": d, "failed": "skipped: benchmark budget spent"})
             continue
-        # Later (larger) configurations get what the earlier ones left over, at least their share.
-        share = max(left / (len(configs) - i), min(left, 240.0))
+        # The headline row may take what it needs; later rows at most what is left.
+        share = min(left, 240.0)
         results.append(run_fresh(layer, d, args.quick, share))
         if args.json:  # what is done so far survives a hard stop at run_all's limit
             build_report(results, layer_counts, device_counts)[0].save(args.json)

@@ -2,9 +2,10 @@
 
 The MLP of `bench/bench_models.py:mlp_memory` (width 256, 8 Linear layers) is compiled for S stages
 on S CPU devices with the schedule and microbatch count forced, the microbatch size held fixed (so
-the global batch grows with M), SGD (no optimizer state). Then `dapple_ir.run(..., transport="threads")`
-trains it for two steps and reports each rank's measured peak: the bytes the runtime holds (parameters,
-gradients, stored values, and the tensors autograd saved for backward, each storage once).
+the global batch grows with M), SGD (no optimizer state). Then `dapple_ir.run(...)` trains it for two
+steps (one process per rank through torchrun, as in production; `--transport threads` runs the ranks
+as threads of one process) and reports each rank's measured peak: the bytes the runtime holds
+(parameters, gradients, stored values, and the tensors autograd saved for backward, each storage once).
 
 Prediction: `dapple_ir.peak_memory.program_peak` of each lowered rank program (what `insert-frees`
 stores as `program.attrs.peak_bytes`): static bytes (parameters + gradients) plus the live
@@ -48,7 +49,7 @@ def plan_stages(module: Any, stages: int, m: int) -> Any:
     return result.module
 
 
-def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path) -> list[dict[str, float]]:
+def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, transport: str) -> list[dict[str, float]]:
     """Per rank: predicted static and live bytes, and the measured peak."""
     import json
 
@@ -69,7 +70,7 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path) ->
     meta = json.loads((plan_dir / "plan.json").read_text())
     meta["model_hash"] = model_hash
     (plan_dir / "plan.json").write_text(json.dumps(meta, indent=2) + "\n")
-    run = dapple_ir.run(plan_dir, steps=2, transport="threads", optimizer="sgd", device="cpu")
+    run = dapple_ir.run(plan_dir, steps=2, transport=transport, optimizer="sgd", device="cpu")
     rows = []
     for rank, program in enumerate(lowered.programs):
         peak = program_peak(lowered, program)
@@ -82,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny MLP, 2 stages, M = 2")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument(
+        "--transport",
+        choices=("torchrun", "threads"),
+        default="torchrun",
+        help="torchrun: one process per rank, as in production (default); threads: every rank in this process",
+    )
     args = parser.parse_args(argv)
     started = time.time()
     from dapple_ir.model_spec import capture_spec, structure_hash
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         for schedule in SCHEDULES:
             for m in counts:
                 try:
-                    rows = measure(planned, model_hash, schedule, m, Path(tmp))
+                    rows = measure(planned, model_hash, schedule, m, Path(tmp), args.transport)
                 except Exception as exc:  # a schedule that does not compile or run yet is a row, not a crash
                     reason = unavailable(str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__)
                     table.add(schedule, m, "-", reason, *["-"] * 6)
@@ -129,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "schedule passes rerun per row.",
         "act = peak minus static bytes (parameters + gradients; SGD keeps no optimizer state); "
         "error = (measured - predicted) / predicted.",
-        "measured with the threads transport (all ranks in one process); the runtime's meter counts every "
-        "storage it holds once, autograd's saved tensors included.",
+        f"measured by `dapple run --transport {args.transport}`, 2 steps; the runtime's meter counts every storage "
+        "it holds once, autograd's saved tensors included.",
     ]
     if act_errors:
         worst = max(act_errors)

@@ -167,16 +167,17 @@ def _plot(table: Table, path: Path) -> str | None:
     top = max(max(float(r[p_k] or 0), float(r[m_k] or 0)) for r in rows) * 1.2
     ax.plot([0, top], [0, top], color="black", linewidth=0.8, label="predicted = measured")
     ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="tab:green", alpha=0.15, label="within 15%")
-    for r in rows:
-        ax.plot(float(r[m_k] or 0), float(r[p_k] or 0), "o", color="tab:blue")
-        ax.annotate(f"S={r[0]} {r[1]} M={r[2]}", (float(r[m_k] or 0), float(r[p_k] or 0)), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    markers = "osD^v<>"
+    for i, r in enumerate(rows):
+        # One colour and marker per plan, named in the legend: close points stay distinguishable.
+        label = f"S={r[0]} {r[1]} M={r[2]} ({r[3]} ranks)"
+        ax.plot(float(r[m_k] or 0), float(r[p_k] or 0), markers[i % len(markers)], color=f"C{i}", label=label)
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("measured iteration (s)")
     ax.set_ylabel("simulated iteration (s)")
     ax.set_title("Simulator vs dapple run on this CPU")
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

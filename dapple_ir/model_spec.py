@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dapple_ir.errors import CaptureError
-from dapple_ir.ir import Module, ModuleAttrs, OpAttrs
+from dapple_ir.ir import Module, ModuleAttrs, Op, OpAttrs
 from dapple_ir.printer import print_module
 
 if TYPE_CHECKING:
@@ -117,17 +117,19 @@ def structure_hash(module: Module) -> str:
     the batch and the capture method. Left out: source locations and the spec text (moving the
     checkout must not invalidate a plan) and costs (passes and calibration change those).
     """
-    saved_ops = [op.attrs for op in module.ops]
-    saved_module = module.attrs
-    try:
-        for op in module.ops:
-            op.attrs = OpAttrs(module_path=op.attrs.module_path, index=op.attrs.index, params=op.attrs.params)
-        module.attrs = ModuleAttrs(batch=saved_module.batch, capture_method=saved_module.capture_method)
-        text = print_module(module)
-    finally:
-        for op, attrs in zip(module.ops, saved_ops, strict=True):
-            op.attrs = attrs
-        module.attrs = saved_module
+    # A stripped copy: layers, stages and programs are the plan's, not the model's, so they are left out.
+    copies: dict[Op, Op] = {}
+    for op in module.ops:
+        attrs = OpAttrs(module_path=op.attrs.module_path, index=op.attrs.index, params=op.attrs.params)
+        operands = [copies[o] for o in op.operands if o in copies]
+        copies[op] = Op(op.name, op.kind, operands, op.type, op.target, attrs)
+    skeleton = Module(
+        module.name,
+        params=module.params,
+        ops=list(copies.values()),
+        attrs=ModuleAttrs(batch=module.attrs.batch, capture_method=module.attrs.capture_method),
+    )
+    text = print_module(skeleton)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

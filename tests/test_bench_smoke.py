@@ -135,6 +135,11 @@ def test_run_all_renders_a_failed_benchmark_as_not_available(tmp_path: Path) -> 
     assert outcome.failure.startswith("not available")
     text = run_all.render([outcome], run_all.machine(), ("0", "0"), True, tmp_path / "B.md")
     assert "## Machine" in text and "not available" in text and "| cores |" in text
+    # --reuse renders a benchmark from what the last run stored, and says so.
+    run_all.save_outcome(outcome, tmp_path)
+    again = run_all.stored_outcome(bench, tmp_path)
+    assert again.failure == outcome.failure and again.reused_from
+    assert "Stored result of the run that ended at" in run_all.render([again], [], ("0", "0"), False, tmp_path / "B.md")
 
 
 def test_device_check_fails_fast_without_cuda() -> None:

@@ -188,3 +188,18 @@ def test_summary_groups_containers_by_item_and_writes_only_set_columns() -> None
     header = table.splitlines()[1].split()
     assert "out" in header and "time" in header and "FLOPs" not in header
     assert "32 B" in table  # the f32[2,4] result of blocks.0
+
+
+def test_structure_hash_ignores_the_plan() -> None:
+    """Planning adds layers, stages, programs and costs; the model's hash must not change."""
+    from dapple_ir.ir import Layer, Stage
+    from dapple_ir.model_spec import capture_spec, structure_hash
+
+    module = capture_spec("examples/mlp.py:factory")
+    before = structure_hash(module)
+    module.layers = [Layer("L0", list(module.ops))]
+    module.stages = [Stage("s0", list(module.ops))]
+    module.ops[1].attrs.fwd_s = 1.0
+    assert structure_hash(module) == before
+    module.ops[1].target = "something_else"
+    assert structure_hash(module) != before
