@@ -113,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     table.notes.append(f"median of {args.repeats} fresh processes per method; peak RSS is ru_maxrss of the process")
     report = Report("capture_large", "Capturing a 1.56B-parameter GPT on the meta device", tables=[table])
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json)
 
 
 if __name__ == "__main__":

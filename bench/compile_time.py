@@ -195,14 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             build_report(results, layer_counts, device_counts)[0].save(args.json)
 
     report, done = build_report(results, layer_counts, device_counts)
-    plot = _plot(done, plot_path(args.json, "compile_time.png"))
-    if plot:
-        report.plots.append(plot)
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json, _plot(done, plot_path(args.json, "compile_time.png")))
 
 
 def _plot(done: list[dict[str, Any]], path: Path) -> str | None:

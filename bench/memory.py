@@ -145,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             f"activation peak prediction: median error {100 * median(act_errors):.1f}%, worst {100 * worst:.1f}% "
             f"(target 10%: {'met' if worst <= 0.10 else 'missed'})"
         )
-    plot = _plot(series, args.stages, plot_path(args.json, "memory.png"))
-    if plot:
-        report.plots.append(plot)
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json, _plot(series, args.stages, plot_path(args.json, "memory.png")))
 
 
 def _plot(series: dict[tuple[str, int], list[tuple[int, float, float]]], stages: int, path: Path) -> str | None:

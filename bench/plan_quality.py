@@ -209,14 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             f"cost-model gap to the ILP optimum where CP-SAT proved it ({len(gaps)} cases): median "
             f"{100 * median(gaps):+.1f}%, worst {100 * max(gaps):+.1f}%; {open_cases} case(s) with the ILP left open"
         )
-    plot = _plot(table, plot_path(args.json, "plan_quality.png"))
-    if plot:
-        report.plots.append(plot)
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json, _plot(table, plot_path(args.json, "plan_quality.png")))
 
 
 def _plot(table: Table, path: Path) -> str | None:

@@ -142,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             f"simulated vs measured iteration: median error {100 * median(errors):.1f}%, worst {100 * worst:.1f}% "
             f"(target 15%: {'met' if worst <= 0.15 else 'missed'})"
         )
-    plot = _plot(table, plot_path(args.json, "predicted_vs_measured.png"))
-    if plot:
-        report.plots.append(plot)
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json, _plot(table, plot_path(args.json, "predicted_vs_measured.png")))
 
 
 def _plot(table: Table, path: Path) -> str | None:

@@ -362,14 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
         "peak over the run; RSS = peak resident set of the rank process (includes the ~300 MiB of torch itself).",
     ]
-    plot = _plot(table, plot_path(args.json, "runtime_vs_torch_pipelining.png"))
-    if plot:
-        report.plots.append(plot)
-    report.seconds = time.time() - started
-    report.print()
-    if args.json:
-        report.save(args.json)
-    return 0
+    return report.finish(started, args.json, _plot(table, plot_path(args.json, "runtime_vs_torch_pipelining.png")))
 
 
 def _plot(table: Table, path: Path) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +70,16 @@ class Report:
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    def finish(self, started: float, json_path: str | None, plot: str | None = None) -> int:
+        """Record the plot and the run time, print the report, save it where asked; the exit status."""
+        if plot:
+            self.plots.append(plot)
+        self.seconds = time.time() - started
+        self.print()
+        if json_path:
+            self.save(json_path)
+        return 0
 
     def print(self) -> None:
         for t in self.tables:
