@@ -30,7 +30,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, fit_exponent, plot_path, unavailable  # noqa: E402
+from tables import Report, Table, fit_exponent, plot_path, pyplot, unavailable  # noqa: E402
 
 PHASES = ("capture", "plan", "lower", "emit")
 GLOBAL_BATCH = 1024
@@ -202,10 +202,7 @@ def _plot(done: list[dict[str, Any]], path: Path) -> str | None:
     """Total compile time against layers, one line per cluster size, phases stacked as shaded areas."""
     if not done:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for d in sorted({r["devices"] for r in done}):

@@ -31,7 +31,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 MICROBATCH_SIZE = 32
@@ -152,10 +152,7 @@ def _plot(series: dict[tuple[str, int], list[tuple[int, float, float]]], stages:
     """One panel per rank: activation peak vs M, measured (markers) and predicted (dashed) per schedule."""
     if not series:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ranks = sorted({rank for _, rank in series})
     fig, axes = plt.subplots(1, len(ranks), figsize=(5.5 * len(ranks), 4.2), squeeze=False)

@@ -33,7 +33,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
 
 PROFILES = Path("/work/shared/profiles")
 CLUSTERS = ("2x8xV100-16GB", "16x1xV100-16GB", "4x8xH100")
@@ -214,10 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plot(table: Table, path: Path) -> str | None:
     """Grouped bars per cluster: speed-up over each baseline, one group per model; 1.0 marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     clusters = list(dict.fromkeys(str(r[1]) for r in table.rows))
     if not clusters:

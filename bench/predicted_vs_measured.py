@@ -28,7 +28,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
 
 DAPPLE = str(ROOT / ".venv" / "bin" / "dapple")
 MICROBATCH = 32
@@ -151,10 +151,7 @@ def _plot(table: Table, path: Path) -> str | None:
     rows = [r for r in table.rows if isinstance(r[p_k], float) and isinstance(r[m_k], float)]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 5))
     top = max(max(float(r[p_k] or 0), float(r[m_k] or 0)) for r in rows) * 1.2

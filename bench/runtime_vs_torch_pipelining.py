@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, unavailable  # noqa: E402
+from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
 
 SPEC = {"tiny": "bench/bench_models.py:mlp_tiny", "bench": "bench/bench_models.py:mlp_bench"}
 
@@ -371,10 +371,7 @@ def _plot(table: Table, path: Path) -> str | None:
     rows = [r for r in table.rows if isinstance(r[ours_k], float) and isinstance(r[theirs_k], float)]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     xs = list(range(len(rows)))

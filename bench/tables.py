@@ -127,6 +127,16 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_path(json_path: str | None, name: str) -> Path:
     """Where a benchmark writes its plot: beside its JSON report, else in bench/results."""
     folder = Path(json_path).resolve().parent if json_path else Path(__file__).resolve().parent / "results"
