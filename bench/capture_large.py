@@ -22,7 +22,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, median, unavailable  # noqa: E402
 
 PHASES = ("import torch", "build on meta", "capture", "cost annotation")
 
@@ -74,12 +74,10 @@ def run_fresh(method: str, factory: str, timeout: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the small GPT instead of the 1.56B one")
+    parser = bench_parser(__doc__, "the small GPT instead of the 1.56B one")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per method (median reported)")
     parser.add_argument("--methods", default="fx,export", help="comma-separated capture methods")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
-    parser.add_argument("--json", help="write the report here")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "FACTORY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:

@@ -30,7 +30,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, fit_exponent, plot_path, pyplot, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, fit_exponent, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 PHASES = ("capture", "plan", "lower", "emit")
 GLOBAL_BATCH = 1024
@@ -165,9 +165,7 @@ def build_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny 2-layer GPT on 8 devices")
-    parser.add_argument("--json", help="write the report here")
+    parser = bench_parser(__doc__, "a tiny 2-layer GPT on 8 devices")
     parser.add_argument("--budget", type=float, default=600.0, help="seconds for the whole benchmark")
     parser.add_argument("--one", nargs=2, type=int, metavar=("LAYERS", "DEVICES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -221,10 +219,7 @@ def _plot(done: list[dict[str, Any]], path: Path) -> str | None:
     left.set_yscale("log")
     left.set_title("capture + plan + lower + emit")
     right.set_title("memory of the whole compile (torch included)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

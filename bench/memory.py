@@ -19,7 +19,6 @@ stays flat once M >= S, zb-h1 no higher than 1f1b.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
@@ -31,7 +30,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 MICROBATCH_SIZE = 32
@@ -79,9 +78,7 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny MLP, 2 stages, M = 2")
-    parser.add_argument("--json", help="write the report here")
+    parser = bench_parser(__doc__, "tiny MLP, 2 stages, M = 2")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument(
         "--transport",
@@ -178,11 +175,7 @@ def _plot(series: dict[tuple[str, int], list[tuple[int, float, float]]], stages:
         ax.set_title(f"rank {rank} of {stages}: measured (solid) vs predicted (dashed)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import re
@@ -33,7 +32,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 PROFILES = Path("/work/shared/profiles")
 CLUSTERS = ("2x8xV100-16GB", "16x1xV100-16GB", "4x8xH100")
@@ -139,9 +138,7 @@ def _ratio(baseline: Any, ours: float) -> float | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one profile on one cluster, no example capture")
-    parser.add_argument("--json", help="write the report here")
+    parser = bench_parser(__doc__, "one profile on one cluster, no example capture")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds; cases not reached are marked")
     parser.add_argument("--ilp-seconds", type=float, default=5.0, help="CP-SAT time limit per case for the bound")
     args = parser.parse_args(argv)
@@ -246,11 +243,7 @@ def _plot(table: Table, path: Path) -> str | None:
         ax.set_title(f"{cluster}: baseline time / our time (above 1 = ours faster; OOM = baseline does not fit)")
         ax.grid(axis="y", alpha=0.3)
     axes[0, 0].legend(ncol=len(BASELINE_NAMES), fontsize=8, loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Target: prediction within 15% of the measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 DAPPLE = str(ROOT / ".venv" / "bin" / "dapple")
 MICROBATCH = 32
@@ -68,9 +67,7 @@ def measure(plan_dir: Path, steps: int, global_batch: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny MLP, one plan, one round")
-    parser.add_argument("--json", help="write the report here")
+    parser = bench_parser(__doc__, "tiny MLP, one plan, one round")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each plan (interleaved)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; no new round starts past it")
     args = parser.parse_args(argv)
@@ -169,10 +166,7 @@ def _plot(table: Table, path: Path) -> str | None:
     ax.set_title("Simulator vs dapple run on this CPU")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

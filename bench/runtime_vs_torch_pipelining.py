@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from tables import Report, Table, median, plot_path, pyplot, unavailable  # noqa: E402
+from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 SPEC = {"tiny": "bench/bench_models.py:mlp_tiny", "bench": "bench/bench_models.py:mlp_bench"}
 
@@ -303,10 +303,8 @@ def _mb(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1f1b on 2 processes, one pair")
+    parser = bench_parser(__doc__, "tiny model, 1f1b on 2 processes, one pair")
     parser.add_argument("--pairs", type=int, default=3, help="A/B pairs per case")
-    parser.add_argument("--json", help="write the report here")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later pairs are dropped past it")
     parser.add_argument("--rank-worker", choices=["torch", "dapple"], help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
@@ -387,10 +385,7 @@ def _plot(table: Table, path: Path) -> str | None:
     ax.set_ylim(0, max(ours + theirs) * 1.15)
     ax.legend(loc="lower right")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

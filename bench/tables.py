@@ -7,6 +7,7 @@ could not be measured is a string that says why ("not available: ..."), never a 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -135,6 +136,23 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Lay out, write (creating the folder) and close a figure; its path as text."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return str(path)
+
+
+def bench_parser(doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark takes: `--quick` (what it shrinks to) and `--json`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", help="write the report here")
+    return parser
 
 
 def plot_path(json_path: str | None, name: str) -> Path:
