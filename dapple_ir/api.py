@@ -47,14 +47,17 @@ def default_pipeline(
     policy: str | None = None,
     max_layers: int | None = None,
 ) -> str:
-    """The passes up to and including `plan` (the lowering passes follow with the chosen schedule)."""
+    """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
+
+    `schedule` takes the kind `plan` chose, so one pass manager runs it all (one numbering of dumps).
+    """
     options = [f"method={planner}"]
     for key, value in (("stages", stages), ("microbatches", microbatches), ("schedule", schedule), ("policy", policy)):
         if value is not None:
             options.append(f"{key}={value}")
     coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
     front = [] if profile else ["annotate-cost"]
-    return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}"])
+    return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
 
 
 def compile(
@@ -96,23 +99,16 @@ def compile(
     ctx = PassContext(cluster=cluster, log=log or (lambda _m: None))
     options = dict(manager or {})
     profile = module.attrs.capture_method == "profile"
-    if pipeline:
-        text = pipeline
-        PassManager(build_pipeline(text), **options).run(module, ctx)
-    else:
-        text = default_pipeline(
-            profile=profile,
-            planner=planner,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            policy=policy,
-            max_layers=max_layers,
-        )
-        PassManager(build_pipeline(text), **options).run(module, ctx)
-        lower = f"schedule{{kind={module.attrs.schedule}}},lower-comm,insert-frees,verify"
-        PassManager(build_pipeline(lower), **options).run(module, ctx)
-        text += "," + lower
+    text = pipeline or default_pipeline(
+        profile=profile,
+        planner=planner,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        policy=policy,
+        max_layers=max_layers,
+    )
+    PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)
     explain_lines = ctx.reports.get("plan", [])
     report = report_text(module, plan, explain_lines if explain else explain_lines[:8])

@@ -25,7 +25,10 @@ class Schedule(Pass):
 
     name = "schedule"
 
-    kind: str = field(default="1f1b", metadata={"doc": f"schedule name: {', '.join(schedules.SCHEDULES)}"})
+    kind: str = field(
+        default="",
+        metadata={"doc": f"schedule name: {', '.join(schedules.SCHEDULES)}; empty: the plan's choice, else 1f1b"},
+    )
     microbatches: int = field(default=0, metadata={"doc": "microbatches per step; 0 keeps the module's"})
     virtual: int = field(default=1, metadata={"doc": "virtual stages per device group (interleaved)"})
     from_: str = field(default="", metadata={"doc": "CSV file with the per-rank order (rank,kind,stage,mb)"})
@@ -42,8 +45,10 @@ class Schedule(Pass):
                 f"schedule: stage @{widest.name} has {widest.replicas} replicas but there are only {m} microbatches; "
                 "each replica needs at least one (replica j runs microbatches m with m % replicas == j)"
             )
+        # Left unset, the kind is what `plan` chose for this module, so one pipeline string plans and lowers.
+        kind = self.kind or (module.attrs.schedule if module.attrs.schedule in schedules.SCHEDULES else "1f1b")
         virtual = self.virtual
-        _check_virtual(module.stages, virtual, m if self.kind == "interleaved" and not self.from_ else None)
+        _check_virtual(module.stages, virtual, m if kind == "interleaved" and not self.from_ else None)
         _set_batch_attrs(module, m)
         groups = len(module.stages) // virtual
         _place(module.stages, groups)
@@ -53,9 +58,9 @@ class Schedule(Pass):
             orders = schedules.load_order_csv(self.from_, [s.name for s in module.stages])
             module.attrs.schedule = f"from:{self.from_}"
         else:
-            by_slot = schedules.build_schedule(self.kind, request)
+            by_slot = schedules.build_schedule(kind, request)
             orders = {rank: by_slot.get(slot, []) for rank, (_device, slot) in enumerate(device_slots)}
-            module.attrs.schedule = self.kind
+            module.attrs.schedule = kind
         if set(orders) - set(range(len(device_slots))):
             extra = sorted(set(orders) - set(range(len(device_slots))))
             raise ScheduleError(f"schedule: the order names ranks {extra}, but the stages use {len(device_slots)}")
@@ -66,7 +71,7 @@ class Schedule(Pass):
         check_compute_order(module)
         # The built-in schedules are deadlock-free by construction (and `verify` checks their lowering);
         # a hand-written or user-registered order is checked here, where the error can say whose it is.
-        if self.from_ or self.kind not in _BUILTIN:
+        if self.from_ or kind not in _BUILTIN:
             _refuse_deadlock(module, self.spec())
 
 

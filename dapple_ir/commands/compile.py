@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from dapple_ir.commands.opt import add_pass_manager_flags
+from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
 from dapple_ir.pipeline_cost import POLICIES, SCHEDULES
-from dapple_ir.registry import load_plugin
 
 _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
@@ -51,15 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.cluster:
         raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
-    for plugin in args.pass_plugin:
-        load_plugin(plugin)
-    manager = {
-        "verify": not args.no_verify,
-        "print_ir_after": set(args.print_ir_after),
-        "print_ir_after_all": args.print_ir_after_all,
-        "dump_dir": Path(args.dump_dir) if args.dump_dir else None,
-        "time_passes": args.time_passes,
-    }
+    manager = pass_manager_options(args)
     result = compile_plan(
         args.model_spec,
         cluster=args.cluster,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from dapple_ir.errors import DappleError
 from dapple_ir.parser import parse_module
@@ -39,17 +40,22 @@ def add_pass_manager_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster shorthand (2x8xV100-16GB) or TOML file, for passes that need one")
 
 
-def pass_manager_from_args(args: argparse.Namespace, pipeline: str) -> PassManager:
+def pass_manager_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the `--pass-plugin` files; the `PassManager` keyword arguments the shared flags ask for."""
     for plugin in args.pass_plugin:
         load_plugin(plugin)
-    return PassManager(
-        build_pipeline(pipeline) if pipeline else [],
-        verify=not args.no_verify,
-        print_ir_after=set(args.print_ir_after),
-        print_ir_after_all=args.print_ir_after_all,
-        dump_dir=Path(args.dump_dir) if args.dump_dir else None,
-        time_passes=args.time_passes,
-    )
+    return {
+        "verify": not args.no_verify,
+        "print_ir_after": set(args.print_ir_after),
+        "print_ir_after_all": args.print_ir_after_all,
+        "dump_dir": Path(args.dump_dir) if args.dump_dir else None,
+        "time_passes": args.time_passes,
+    }
+
+
+def pass_manager_from_args(args: argparse.Namespace, pipeline: str) -> PassManager:
+    options = pass_manager_options(args)
+    return PassManager(build_pipeline(pipeline) if pipeline else [], **options)
 
 
 def run(args: argparse.Namespace) -> int:
