@@ -8,7 +8,7 @@ reads from outside becomes a fresh leaf, and its gradient is handed on explicitl
 to another rank, or through the gradient store to a stage on this rank.
 
 It measures as it goes: a span per instruction (the simulator's trace schema) and the bytes it
-holds after each instruction (CPU: parameters, gradients, optimizer state, stored values and the
+holds after each instruction that can add to them (CPU: parameters, gradients, optimizer state, stored values and the
 tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak).
 """
 
@@ -93,6 +93,11 @@ class StepData:
         return part.clone() if isinstance(part, torch.Tensor) else part
 
 
+#: Instructions that only let go of memory (a send's payload stays with the transport until it completes):
+#: the meter skips them, so the peak is unchanged and the curve steps down at the next instruction.
+_RELEASING = frozenset({"send", "free"})
+
+
 class Runtime:
     """One rank's executor. Rank files call its instruction methods in program order, once per step."""
 
@@ -126,6 +131,8 @@ class Runtime:
             for p in sm.params.values():
                 unique.setdefault(id(p), p)
         self.params = list(unique.values())
+        # Parameters keep their storage for the whole run (the optimizer and checkpoint loading write in place).
+        self._param_storages = {s.data_ptr(): s.nbytes() for s in (p.untyped_storage() for p in self.params)}
         # A stage of parameter-free ops (an activation, the loss) has nothing to step.
         self.optimizer = make_optimizer(optimizer, self.params, lr) if self.params else None
         self.step = 0
@@ -306,14 +313,14 @@ class Runtime:
         if self.device.type == "cuda":
             # The allocator's peak is read once per step (run_step); here only the curve for the timeline.
             self.memory.append((end, torch.cuda.memory_allocated(self.device)))
-        else:
+        elif kind not in _RELEASING:
             held = self.held_bytes()
             self.peak_bytes = max(self.peak_bytes, held)
             self.memory.append((end, held))
 
     def held_bytes(self) -> int:
         """Bytes of every tensor the runtime holds on the CPU, each storage counted once."""
-        seen: dict[int, int] = {}
+        seen = dict(self._param_storages)
 
         def add(t: Any) -> None:
             if isinstance(t, torch.Tensor):
@@ -321,7 +328,6 @@ class Runtime:
                 seen[storage.data_ptr()] = storage.nbytes()
 
         for p in self.params:
-            add(p)
             add(p.grad)
         for state in self.optimizer.state.values() if self.optimizer is not None else ():
             for t in state.values():

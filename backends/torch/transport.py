@@ -207,9 +207,13 @@ def _first_line(exc: BaseException) -> str:
 class DistTransport:
     """torch.distributed P2P and collectives. Call after `init_process_group`, on every rank alike.
 
-    Each message is a fixed-size int64 header (tag, kind, dtype, ndim, shape) followed by the
-    payload, so the receiver needs no shape table. NCCL ignores tags, so the header's tag is also
-    checked: a plan whose sends and recvs between two ranks come in different orders fails clearly.
+    The first message of each (sender, receiver, tag) is a fixed-size int64 header (tag, kind, dtype,
+    ndim, shape) followed by the payload, so the receiver needs no shape table. NCCL ignores tags, so
+    the header's tag is also checked: a plan whose sends and recvs between two ranks come in different
+    orders fails clearly (at its first step, and every step runs the same program). After that a
+    tensor travels alone: both ends remember the first header, the receiver posts a buffer of that
+    shape and the sender refuses a tensor whose shape or dtype changed, so one message per send is
+    all the wire carries. Non-tensor payloads always carry their header (their length varies).
     """
 
     def __init__(self, groups: list[tuple[int, ...]], device: torch.device) -> None:
@@ -221,29 +225,50 @@ class DistTransport:
         self.device = device
         # new_group is collective: every rank creates every group, in the same (sorted) order.
         self.groups: dict[tuple[int, ...], Any] = {}
+        # (peer, tag) -> (dtype, shape) of the tensor whose header went out / came in first.
+        self.sent: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.received: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         for group in sorted(set(groups)):
             if len(group) > 1:
                 self.groups[group] = dist.new_group(ranks=list(group))
 
     def isend(self, payload: Any, peer: int, tag: int) -> Pending:
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        header[0] = tag
+        what = f"on rank {self.rank} sending tag {tag} to rank {peer}"
+        known = self.sent.get((peer, tag))
         if isinstance(payload, torch.Tensor):
-            if payload.dim() > _MAX_DIMS:
-                raise DappleError(f"cannot send a tensor of {payload.dim()} dimensions (at most {_MAX_DIMS})")
             body = payload.detach().contiguous().to(self.device)
-            header[1:4] = torch.tensor([_KIND_TENSOR, _DTYPES.index(body.dtype), body.dim()])
-            header[4 : 4 + body.dim()] = torch.tensor(body.shape, dtype=torch.int64)
+            if known is not None:
+                if known != (body.dtype, tuple(body.shape)):
+                    raise DappleError(
+                        f"rank {self.rank} sends tag {tag} to rank {peer} as a {body.dtype} tensor of shape "
+                        f"{list(body.shape)}, but earlier as {known[0]} of shape {list(known[1])}: a value crossing "
+                        "stages must keep its shape and dtype from step to step (static shapes)"
+                    )
+                return _DistPending([self.dist.isend(body, peer, tag=tag)], [body], what)
+            if body.dim() > _MAX_DIMS:
+                raise DappleError(f"cannot send a tensor of {body.dim()} dimensions (at most {_MAX_DIMS})")
+            head = [tag, _KIND_TENSOR, _DTYPES.index(body.dtype), body.dim(), *body.shape]
+            self.sent[(peer, tag)] = (body.dtype, tuple(body.shape))
         else:
+            if known is not None:
+                raise DappleError(
+                    f"rank {self.rank} sends tag {tag} to rank {peer} as a {type(payload).__name__}, but earlier "
+                    "as a tensor: a value crossing stages must keep its kind from step to step"
+                )
             data = json.dumps(to_jsonable(payload)).encode()
             body = torch.tensor(list(data), dtype=torch.uint8, device=self.device)
-            header[1:5] = torch.tensor([_KIND_JSON, _DTYPES.index(torch.uint8), 1, len(data)])
-        header = header.to(self.device)
+            head = [tag, _KIND_JSON, _DTYPES.index(torch.uint8), 1, len(data)]
+        header = torch.tensor(head + [0] * (_HEADER_LEN - len(head)), dtype=torch.int64).to(self.device)
         works = [self.dist.isend(header, peer, tag=tag), self.dist.isend(body, peer, tag=tag)]
-        return _DistPending(works, [header, body], f"on rank {self.rank} sending tag {tag} to rank {peer}")
+        return _DistPending(works, [header, body], what)
 
     def recv(self, peer: int, tag: int, timeout: float) -> Any:
         what = f"on rank {self.rank} receiving tag {tag} from rank {peer}"
+        known = self.received.get((peer, tag))
+        if known is not None:
+            body = torch.empty(known[1], dtype=known[0], device=self.device)
+            _wait(self.dist.irecv(body, peer, tag=tag), timeout, what)
+            return body
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
         _wait(self.dist.irecv(header, peer, tag=tag), timeout, what)
         head = header.cpu().tolist()
@@ -256,6 +281,7 @@ class DistTransport:
         body = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=self.device)
         _wait(self.dist.irecv(body, peer, tag=tag), timeout, what)
         if kind == _KIND_TENSOR:
+            self.received[(peer, tag)] = (dtype, tuple(head[4 : 4 + ndim]))
             return body
         return from_jsonable(json.loads(bytes(body.cpu().tolist()).decode()))
 
