@@ -3,17 +3,20 @@
 A rank holds its static bytes (parameters, gradients and optimizer state of the stages it hosts, counted
 once even when a tied parameter sits in two of them) plus what is live at the instruction being run:
   * `forward @s mb=m` keeps the stage's activations (`memory.activation_bytes`) until `free @s mb=m`;
-  * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free.
+  * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free;
+  * `backward_input @s mb=m` keeps what the weight pass restarts from (`weight_pass_bytes`) until
+    `free @s mb=m`.
 Without free instructions (before `insert-frees`) nothing is released; `activation_peak_microbatches`
 reads compute instructions only and works on any program.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dapple_ir import memory
-from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
 
 
 def transfer_bytes(module: Module, value: Op) -> float:
@@ -22,6 +25,36 @@ def transfer_bytes(module: Module, value: Op) -> float:
     if not b or not batch:
         return value.out_bytes
     return value.out_bytes * b / batch
+
+
+def weight_pass_bytes(module: Module, stage: Stage) -> float:
+    """Bytes a split backward keeps from `backward_input` to `backward_weight`, for one microbatch.
+
+    The input pass stops where each parameter's branch leaves the path back to the stage's inputs; the
+    gradient flowing into that op (the size of its output) waits there for the weight pass. A stage
+    none of whose inputs come from another stage hands no gradient back: its weight pass is its whole
+    backward, and it keeps nothing extra.
+    """
+    ops = set(stage.ops)
+    outside = (OpKind.INPUT, OpKind.GET_ATTR)
+    if not any(v not in ops and v.kind not in outside and _floating(v) for op in stage.ops for v in op.operands):
+        return 0.0
+    trainable = {p.name for p in module.params if not p.attrs.buffer}
+    weight_reads = {op for op in stage.ops if op.kind is OpKind.GET_ATTR and trainable & set(op.attrs.params or ())}
+    total = 0.0
+    for op in stage.ops:
+        reads = bool(trainable & set(op.attrs.params or ())) or (op.attrs.param_bytes or 0.0) > 0
+        if op.kind is not OpKind.GET_ATTR and (reads or any(v in weight_reads for v in op.operands)):
+            total += transfer_bytes(module, op)
+    return total
+
+
+#: Element types the runtime hands gradients back for (its stage inputs become autograd leaves).
+_DIFFERENTIABLE = frozenset({"f64", "f32", "f16", "bf16", "c64"})
+
+
+def _floating(value: Op) -> bool:
+    return isinstance(value.type, TensorType) and value.type.dtype in _DIFFERENTIABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,32 +85,49 @@ def hosted_stages(module: Module, program: RankProgram) -> list[Stage]:
     return seen
 
 
+_STAGE_KEYED = (InstrKind.FORWARD, InstrKind.BACKWARD_INPUT)
+
+
 def _key(instr: Instr) -> tuple[object, ...]:
-    if instr.kind is InstrKind.FORWARD or (instr.kind is InstrKind.FREE and instr.stage is not None):
+    if instr.kind in _STAGE_KEYED or (instr.kind is InstrKind.FREE and instr.stage is not None):
         return ("stage", instr.stage, instr.mb)
     return ("grad" if instr.grad else "value", instr.value, instr.mb)
 
 
-def program_peak(module: Module, program: RankProgram) -> RankPeak:
-    """The rank's static bytes and its live bytes at the worst instruction."""
-    stages = hosted_stages(module, program)
-    static = memory.static_bytes(module, [op for s in stages for op in s.ops])
-    act = {s: memory.activation_bytes(module, s.ops) for s in module.stages}
+def memory_changes(module: Module, program: RankProgram) -> Iterator[tuple[int, float]]:
+    """(instruction index, bytes allocated or released: negative) for each instruction that changes the
+    rank's live bytes, in program order. A free of something the rank never allocated (a value it sent,
+    say) releases nothing and is left out."""
+    act: dict[Stage, float] = {}
+    held: dict[Stage, float] = {}
+    sizes: dict[Op, float] = {}
     live: dict[tuple[object, ...], float] = {}
-    total, peak, where = 0.0, 0.0, -1
     for index, instr in enumerate(program.instrs):
-        if instr.kind is InstrKind.FORWARD and instr.stage is not None:
-            size = act[instr.stage]
-        elif instr.kind is InstrKind.RECV and instr.value is not None:
-            size = transfer_bytes(module, instr.value)
-        elif instr.kind is InstrKind.FREE:
-            total -= live.pop(_key(instr), 0.0)
-            continue
+        kind, stage = instr.kind, instr.stage
+        if kind is InstrKind.FREE:
+            size = -live.pop(_key(instr), 0.0)
+        elif kind is InstrKind.FORWARD and stage is not None:
+            size = act[stage] if stage in act else act.setdefault(stage, memory.activation_bytes(module, stage.ops))
+        elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
+            size = held[stage] if stage in held else held.setdefault(stage, weight_pass_bytes(module, stage))
+        elif kind is InstrKind.RECV and instr.value is not None:
+            value = instr.value
+            size = sizes[value] if value in sizes else sizes.setdefault(value, transfer_bytes(module, value))
         else:
             continue
-        key = _key(instr)
-        live[key] = live.get(key, 0.0) + size
-        total += size
+        if size > 0:
+            key = _key(instr)
+            live[key] = live.get(key, 0.0) + size
+        if size:
+            yield index, size
+
+
+def program_peak(module: Module, program: RankProgram) -> RankPeak:
+    """The rank's static bytes and its live bytes at the worst instruction."""
+    static = memory.static_bytes(module, [op for s in hosted_stages(module, program) for op in s.ops])
+    total, peak, where = 0.0, 0.0, -1
+    for index, change in memory_changes(module, program):
+        total += change
         if total > peak:
             peak, where = total, index
     return RankPeak(program.rank, static, peak, where)

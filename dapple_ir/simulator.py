@@ -43,7 +43,7 @@ from dapple_ir import memory
 from dapple_ir.cluster import ClusterSpec, DeviceKind, Link, resolve_cluster
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import hosted_stages, transfer_bytes
+from dapple_ir.peak_memory import hosted_stages, memory_changes, transfer_bytes
 from dapple_ir.stage_graph import tied_params
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
@@ -445,44 +445,13 @@ class _Simulator:
         )
 
     def memory_curve(self, rank: int, starts: list[float]) -> list[tuple[float, float]]:
-        """(time, bytes) after each allocation or release, keyed like `peak_memory`: a free of something
-        the rank never allocated (a value it sent, say) releases nothing."""
+        """(time, bytes) after each allocation or release, as `peak_memory.memory_changes` counts them."""
         module = self.module
         level = memory.static_bytes(module, [op for s in self.hosted[rank] for op in s.ops])
         curve = [(0.0, level)]
-        acts: dict[Stage, float] = {}
-        sizes: dict[Op, float] = {}
-        live: dict[tuple, float] = {}
-        k_fwd, k_recv, k_free = InstrKind.FORWARD, InstrKind.RECV, InstrKind.FREE
-        for i, instr in enumerate(module.programs[rank].instrs):
-            kind = instr.kind
-            if kind is k_free:
-                stage = instr.stage
-                nbytes = live.pop((stage, instr.mb) if stage is not None else (instr.value, instr.grad, instr.mb), 0.0)
-                if nbytes:
-                    level -= nbytes
-                    curve.append((starts[i], level))
-                continue
-            if kind is k_fwd:
-                stage = instr.stage
-                assert stage is not None
-                nbytes = acts.get(stage, -1.0)
-                if nbytes < 0:
-                    nbytes = acts[stage] = memory.activation_bytes(module, stage.ops)
-                key: tuple = (stage, instr.mb)
-            elif kind is k_recv:
-                value = instr.value
-                assert value is not None
-                nbytes = sizes.get(value, -1.0)
-                if nbytes < 0:
-                    nbytes = sizes[value] = transfer_bytes(module, value)
-                key = (value, instr.grad, instr.mb)
-            else:
-                continue
-            live[key] = live.get(key, 0.0) + nbytes
-            if nbytes:
-                level += nbytes
-                curve.append((starts[i], level))
+        for i, change in memory_changes(module, module.programs[rank]):
+            level += change
+            curve.append((starts[i], level))
         return curve
 
 

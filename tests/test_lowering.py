@@ -11,7 +11,7 @@ from dapple_ir.errors import DappleError, VerifyError
 from dapple_ir.ir import InstrKind, Module
 from dapple_ir.parser import parse_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.peak_memory import activation_peak_microbatches, peak_bytes_per_rank
+from dapple_ir.peak_memory import activation_peak_microbatches, memory_changes, peak_bytes_per_rank, weight_pass_bytes
 from dapple_ir.plan_checks import find_deadlock, run_plan_checks
 from dapple_ir.printer import print_module
 from dapple_ir.registry import PassContext
@@ -194,6 +194,26 @@ def test_peak_bytes_match_hand_computation() -> None:
     module = _run(chain_module([1, 1, 1]), f"schedule{{kind=1f1b,microbatches=4}},{_FULL}")
     assert peak_bytes_per_rank(module) == {0: 6144.0, 1: 6656.0, 2: 5632.0}
     assert [p.attrs.peak_bytes for p in module.programs] == [6144.0, 6656.0, 5632.0]
+
+
+def test_zero_bubble_keeps_the_weight_pass_gradients_until_the_free() -> None:
+    # 2 stages x 2 layers, f32[8,16] outputs (512 B). Stage s0 reads only data: its weight pass is its whole
+    # backward and keeps nothing. Stage s1 receives h1: backward_input keeps the gradient into each of its
+    # two weight-reading layers (2 * 512) until `free @s1`; the loss reads no weight.
+    module = chain_module([2, 2])
+    s0, s1 = module.stages
+    assert (weight_pass_bytes(module, s0), weight_pass_bytes(module, s1)) == (0.0, 1024.0)
+    zb = _run(chain_module([2, 2]), f"schedule{{kind=zb-h1,microbatches=4}},{_FULL}")
+    changes = dict(memory_changes(zb, zb.programs[1]))
+    instrs = zb.programs[1].instrs
+    inputs = [i for i, instr in enumerate(instrs) if instr.kind is InstrKind.BACKWARD_INPUT]
+    assert [changes[i] for i in inputs] == [1024.0] * 4
+    # Every byte allocated is given back by the end of the step.
+    assert sum(changes.values()) == 0.0
+    first = dict(memory_changes(zb, zb.programs[0]))
+    assert not [
+        i for i, instr in enumerate(zb.programs[0].instrs) if instr.kind is InstrKind.BACKWARD_INPUT and i in first
+    ]
 
 
 def test_activation_peak_microbatches_of_1f1b_and_gpipe() -> None:
