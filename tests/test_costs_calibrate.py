@@ -47,3 +47,28 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 1e8 < cpu.flops("f32") < 1e13
     assert 1e8 < cpu.mem_bandwidth < 1e12
     assert 0 < spec.efficiency_of("matmul") <= 1
+
+
+def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:
+    """CPU ranks share the machine: `--devices 2` measures one rank while another does the same work."""
+    import threading
+    import time
+
+    import torch
+
+    from dapple_ir.commands.calibrate import _busy
+
+    calls = [0, 0]
+    before = threading.active_count()
+    with _busy(2, lambda k: calls.__setitem__(k, calls[k] + 1)):
+        while min(calls) < 3:
+            pass
+    assert threading.active_count() == before  # every neighbour stopped with the block
+    settled = list(calls)
+    time.sleep(0.05)
+    assert min(settled) >= 3 and calls == settled  # nothing ran after the block
+    threads = torch.get_num_threads()
+    assert main(["calibrate", "--devices", "2", "-o", "/dev/null"]) == 0
+    assert torch.get_num_threads() == threads
+    err = capsys.readouterr().err
+    assert "GFLOP/s per rank (" in err and " alone)" in err  # both figures, the shared one first

@@ -8,6 +8,9 @@ import json
 import os
 import socket
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,21 +68,26 @@ def run(args: argparse.Namespace) -> int:
         # Each CPU rank gets its share of the cores, so measure with that many threads.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
     try:
-        kind = measure_device(torch.device(args.device), kind_name, devices)
+        solo = measure_device(torch.device(args.device), kind_name, devices)
+        # CPU ranks share the machine's cores, caches and memory: what a rank gets is measured while the
+        # other ranks do the same work. The profile a fit reads was measured alone, so the fit uses `solo`.
+        shared = kind_name == "cpu" and devices > 1
+        kind = measure_device(torch.device(args.device), kind_name, devices, neighbours=devices - 1) if shared else solo
     finally:
         torch.set_num_threads(threads)
     intra, inter = DEFAULT_LINKS["cpu"] if kind_name == "cpu" else DEFAULT_LINKS["H100"]
     spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
     if args.fit:
         spec = ClusterSpec(
-            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(args.fit, kind)
+            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(args.fit, solo)
         )
     from dapple_ir.cluster_toml import cluster_to_toml
 
     Path(args.output).write_text(cluster_to_toml(spec))
     fitted = ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency.items()) or "defaults"
+    alone = "" if kind is solo else f" ({solo.flops('f32') / 1e9:.1f} alone)"
     print(
-        f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s, "
+        f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s per rank{alone}, "
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; "
         f"efficiency: {fitted} -> {args.output}",
@@ -88,15 +96,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_device(device: Any, kind_name: str, devices: int = 1) -> DeviceKind:
-    """Peak f32 matmul FLOP/s and copy bandwidth of `device`, measured; a CPU's memory shared by `devices`."""
+def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: int = 0) -> DeviceKind:
+    """Peak f32 matmul FLOP/s and copy bandwidth of `device`, measured; a CPU's memory shared by `devices`.
+
+    With `neighbours`, that many threads run the same kind of work while each figure is taken.
+    """
     import torch
 
     timer = Timer(device, repeats=3, warmup=1)
     n = _MATMUL_N[kind_name]
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
+    with _busy(neighbours, lambda _k: torch.mm(a, b)):
+        flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
     if kind_name == "cuda":
         for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
             ah, bh = a.to(dtype), b.to(dtype)
@@ -104,25 +116,53 @@ def measure_device(device: Any, kind_name: str, devices: int = 1) -> DeviceKind:
     count = _COPY_BYTES[kind_name] // 4
     src = torch.empty(count, device=device).uniform_()
     dst = torch.empty_like(src)
-    # A copy reads and writes every byte once.
-    bandwidth = 2 * count * 4 / timer.time(lambda: dst.copy_(src))
+    # A copy reads and writes every byte once; the neighbours copy buffers of their own.
+    theirs = [(torch.empty_like(src), torch.empty_like(src)) for _ in range(neighbours)]
+    with _busy(neighbours, lambda k: theirs[k][1].copy_(theirs[k][0])):
+        bandwidth = 2 * count * 4 / timer.time(lambda: dst.copy_(src))
     memory = _memory_bytes(device) / (devices if kind_name == "cpu" else 1)
-    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=_op_overhead(device, timer))
+    step = _tiny_step(device)
+    steps = [_tiny_step(device) for _ in range(neighbours)]
+    with _busy(neighbours, lambda k: steps[k]()):
+        # Each of the 16 Linears and the sum run once forward and once backward.
+        overhead = timer.time(step) / (2 * (_TINY_DEPTH + 1))
+    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=overhead)
 
 
-def _op_overhead(device: Any, timer: Timer) -> float:
-    """Seconds per op call of a training step whose ops do almost no work (dispatch, autograd, launch)."""
+_TINY_DEPTH = 16
+
+
+def _tiny_step(device: Any) -> Callable[[], None]:
+    """A training step whose ops do almost no work: it times the per-call cost (dispatch, autograd, launch)."""
     import torch
 
-    depth = 16
-    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)]).to(device)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(_TINY_DEPTH)]).to(device)
     x = torch.randn(1, 4, device=device)
 
     def step() -> None:
         layers(x).sum().backward()
 
-    # Each Linear and the sum run once forward and once backward.
-    return timer.time(step) / (2 * (depth + 1))
+    return step
+
+
+@contextmanager
+def _busy(count: int, work: Callable[[int], object]) -> Iterator[None]:
+    """Run `work(k)` in a loop on threads k = 0..count-1 (torch releases the GIL inside its ops) during the block."""
+    stop = threading.Event()
+
+    def loop(k: int) -> None:
+        while not stop.is_set():
+            work(k)
+
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 def _memory_bytes(device: Any) -> float:
