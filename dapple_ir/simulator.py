@@ -24,9 +24,10 @@ Without a cluster (none given and none named by the module) links and memory are
 transfer, allreduce and optimizer step takes zero time.
 
 Memory per rank: static bytes (parameters, gradients, optimizer state of the hosted stages) plus
-the saved activations of each forward until its `free @stage mb`, plus each received tensor from its
-`recv` until its `free`. Memory changes when an instruction starts, so the per-rank peak equals the
-peak over instruction order that `insert-frees` computes statically.
+the saved activations of each forward until its `free @stage mb`, the gradients a `backward_input`
+keeps for its `backward_weight` until the same free, and each received tensor from its `recv` until
+its `free` (`peak_memory.memory_changes`). Memory changes when an instruction starts, so the
+per-rank peak equals the peak over instruction order that `insert-frees` computes statically.
 
 The simulator is O(instructions): a per-rank cursor loop that parks a rank on a recv or allreduce
 and wakes it when the data or the last group member arrives.
