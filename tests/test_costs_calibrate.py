@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
-from dapple_ir.cluster import DeviceKind, resolve_cluster
+from dapple_ir.cluster import DEFAULT_LINKS, DeviceKind, resolve_cluster
 from dapple_ir.commands.calibrate import fit_efficiency
 
 
@@ -47,6 +47,10 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 1e8 < cpu.flops("f32") < 1e13
     assert 1e8 < cpu.mem_bandwidth < 1e12
     assert 0 < spec.efficiency_of("matmul") <= 1
+    # The link between the two CPU ranks was timed with gloo between two processes, not taken from the preset.
+    link = spec.link(0, 1)
+    assert link != DEFAULT_LINKS["cpu"][0]
+    assert 1e6 < link.bandwidth < 1e12 and 0 < link.latency < 1
 
 
 def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:

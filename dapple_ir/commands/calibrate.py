@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster import DEFAULT_LINKS, ClusterSpec, DeviceKind
+from dapple_ir.cluster import DEFAULT_LINKS, ClusterSpec, DeviceKind, Link
 from dapple_ir.errors import DappleError
 from dapple_ir.profiler import Timer
 
@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     intra, inter = DEFAULT_LINKS["cpu"] if kind_name == "cpu" else DEFAULT_LINKS["H100"]
+    if shared:
+        intra = measure_cpu_link()
     spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
     if args.fit:
         spec = ClusterSpec(
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s per rank{alone}, "
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
-        f"{kind.memory_bytes / 1e9:.1f} GB per device; "
+        f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
+        f"{intra.latency * 1e6:.0f} us; "
         f"efficiency: {fitted} -> {args.output}",
         file=sys.stderr,
     )
@@ -130,6 +133,80 @@ def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: in
 
 
 _TINY_DEPTH = 16
+#: Message sizes of the link measurement: latency from the small one, bandwidth from the large one.
+_PING_BYTES, _BULK_BYTES = 4, 16 * 2**20
+_LINK_TIMEOUT_S = 120.0
+
+
+def measure_cpu_link() -> Link:
+    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth.
+
+    Two fresh processes (torch's spawn) bounce a 4-byte and a 16 MiB tensor back and forth; every wait is
+    bounded, and a machine where they cannot meet keeps the default link with a note on stderr.
+    """
+    import torch.multiprocessing as mp
+
+    from dapple_ir.backends.torch.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        found = results.get(timeout=_LINK_TIMEOUT_S)
+    except Exception:  # queue.Empty, or a worker that died before reporting
+        found = None
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    if not isinstance(found, tuple):
+        why = found or "no answer in time"
+        print(f"calibrate: no gloo timing between two processes ({why}); keeping the default link", file=sys.stderr)
+        return DEFAULT_LINKS["cpu"][0]
+    ping_s, bulk_s = found
+    latency = ping_s / 2
+    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
+
+
+def _link_worker(rank: int, port: int, results: Any) -> None:
+    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one)."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+            timeout=datetime.timedelta(seconds=_LINK_TIMEOUT_S),
+        )  # fmt: skip
+        peer = 1 - rank
+
+        def round_trip(nbytes: int) -> float:
+            buf = torch.zeros(nbytes // 4)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+                times.append(time.perf_counter() - start)
+            return sorted(times[1:])[len(times[1:]) // 2]
+
+        ping, bulk = round_trip(_PING_BYTES), round_trip(_BULK_BYTES)
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put((ping, bulk))
+    except Exception as exc:
+        if rank == 0:
+            results.put(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
 def _tiny_step(device: Any) -> Callable[[], None]:
