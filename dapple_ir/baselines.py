@@ -178,25 +178,36 @@ def pipedream_stages(problem: Problem) -> tuple[list[int], list[int]] | None:
         return max(compute, sync) / m
 
     cut_bw = cluster.intra.bandwidth if n <= per_node else cluster.inter.bandwidth
-    best: dict[tuple[int, int], tuple[float, int, int]] = {}
+    count = len(workers)
+    # best[j][k]: (A(j, workers[k]), i, m') of the best split; candidates are scanned in the paper's
+    # order (i, then m' ascending) and only a strictly smaller value replaces the best so far.
+    best: list[list[tuple[float, int, int]]] = [[]]
     for j in range(1, layers + 1):
-        for m in workers:
-            value, arg = stage_time(0, j, m), (0, m)
-            for i in range(1, j):
-                cut = 2 * problem.cut_bytes[i - 1] * problem.cost_batch / problem.batch / cut_bw
-                for m2 in workers:
-                    if m2 >= m:
-                        break
-                    prev = best[(i, m - m2)][0]
-                    candidate_value = max(prev, cut, stage_time(i, j, m2))
+        row = [(stage_time(0, j, m), 0, m) for m in workers]
+        values = [v for v, _i, _m in row]
+        for i in range(1, j):
+            cut = 2 * problem.cut_bytes[i - 1] * problem.cost_batch / problem.batch / cut_bw
+            times = [stage_time(i, j, m2) for m2 in workers]
+            before = best[i]
+            for k in range(1, count):
+                value = values[k]
+                if cut >= value:  # every candidate of this i is at least the cut: none is smaller
+                    continue
+                for q in range(k):
+                    t = times[q]
+                    if t >= value:
+                        continue
+                    candidate_value = max(before[k - q - 1][0], cut, t)
                     if candidate_value < value:
-                        value, arg = candidate_value, (i, m2)
-            best[(j, m)] = (value, *arg)
+                        value = candidate_value
+                        row[k] = (value, i, workers[q])
+                values[k] = value
+        best.append(row)
     bounds, replicas = [layers], []
-    j, m = layers, workers[-1]
+    j, k = layers, count - 1
     while j > 0:
-        _, i, m2 = best[(j, m)]
+        _, i, m2 = best[j][k]
         bounds.append(i)
         replicas.append(m2)
-        j, m = i, m - m2
+        j, k = i, k - m2 // step
     return bounds[::-1], replicas[::-1]

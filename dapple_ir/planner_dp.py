@@ -11,9 +11,9 @@ of a stage grow monotonically with the suffix's, so the front is all a predecess
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from functools import cache
+from operator import itemgetter
 
 from dapple_ir.cluster import ClusterSpec
 from dapple_ir.errors import PlanError
@@ -55,20 +55,16 @@ def policies_for(cluster: ClusterSpec, policies: tuple[str, ...]) -> list[str]:
     return list(policies)
 
 
-# A suffix plan: (g, h, n, alone, start, replicas, end, child). g: pipeline time seen from its first
-# stage; h: allreduce not hidden; n: stages; alone: its first stage lies on one node only, the node
-# of the device before `start`; the first stage holds layers up to `end` on devices from `start`.
+# A suffix plan: (g, h, n, alone, start, replicas, end, child, objective). g: pipeline time seen from
+# its first stage; h: allreduce not hidden; n: stages; alone: its first stage lies on one node only,
+# the node of the device before `start`; the first stage holds layers up to `end` on devices from
+# `start`; objective: g + max(0, h), the iteration time if the plan started here.
 _Entry = tuple  # plain tuples: the DP creates millions of them
-_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD = range(8)
-
-
-def _objective(entry: _Entry) -> float:
-    h = entry[_H]
-    return entry[_G] + h if h > 0.0 else entry[_G]
-
-
-def _order_key(entry: _Entry) -> tuple[float, float, int]:
-    return entry[_G], entry[_H], entry[_N]
+_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE = range(9)
+# Keys as C callables: the DP sorts millions of entries.
+_objective = itemgetter(_OBJECTIVE)
+_order_key = itemgetter(_G, _H, _N)
+_stages_of = itemgetter(_N)
 
 
 def solve(
@@ -128,6 +124,7 @@ def solve(
     @cache
     def suffix(i: int, d: int) -> tuple[_Entry, ...]:
         found: list[_Entry] = []
+        append = found.append
         spans = spans_from(i)
         for r in replicas:
             start = stage_start(cluster, policy, d, r)
@@ -145,11 +142,43 @@ def solve(
                 act = a_sum * act_scale
                 if j == layers:
                     if static + (per if gpipe else min(per, 2 if interleaved else 1)) * act <= cap:
-                        found.append((busy, ar, 1, alone, start, r, j, None))
+                        append((busy, ar, 1, alone, start, r, j, None, busy + ar if ar > 0.0 else busy))
                     continue
                 c_intra, c_inter = c_intra_at[j - 1], c_inter_at[j - 1]
                 path = share * (fwd + bwd)
-                for child in suffix(j, start + r):
+                children = suffix(j, start + r)
+                # No child can break the memory or stage limit: at most `per` microbatches are held
+                # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
+                if act >= 0.0 and static + per * act <= cap and limit > layers - j:
+                    if not single:
+                        base, hidden = path + 2 * c_inter, bwd + c_inter
+                        for child in children:
+                            g = base + child[0]
+                            if busy > g:
+                                g = busy
+                            if g > bound:
+                                continue
+                            h = child[1] - hidden
+                            if ar > h:
+                                h = ar
+                            append((g, h, child[2] + 1, alone, start, r, j, child, g + h if h > 0.0 else g))
+                        continue
+                    base_in, hidden_in = path + 2 * c_intra, bwd + c_intra
+                    base_x, hidden_x = path + 2 * c_inter, bwd + c_inter
+                    for child in children:
+                        if child[3]:
+                            g, h = base_in + child[0], child[1] - hidden_in
+                        else:
+                            g, h = base_x + child[0], child[1] - hidden_x
+                        if busy > g:
+                            g = busy
+                        if g > bound:
+                            continue
+                        if ar > h:
+                            h = ar
+                        append((g, h, child[2] + 1, alone, start, r, j, child, g + h if h > 0.0 else g))
+                    continue
+                for child in children:
                     n = child[_N] + 1
                     held = (2 * n if interleaved else n) if not gpipe else per
                     if held > per:
@@ -165,7 +194,7 @@ def solve(
                     h = child[_H] - (bwd + c)
                     if ar > h:
                         h = ar
-                    found.append((g, h, n, alone, start, r, j, child))
+                    append((g, h, n, alone, start, r, j, child, g + h if h > 0.0 else g))
         return _prune(found, exact_n=exact_n, front=front)
 
     entries = [e for e in suffix(0, 0) if stages is None or e[_N] == stages]
@@ -189,19 +218,28 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None) -> tuple[
     (the lightest on memory for the stages before it)."""
     groups: dict[tuple[bool, int], list[_Entry]] = {}
     for e in entries:
-        groups.setdefault((e[_ALONE], e[_N] if exact_n else 0), []).append(e)
+        key = (e[_ALONE], e[_N] if exact_n else 0)
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [e]
+        else:
+            members.append(e)
     result: list[_Entry] = []
     for members in groups.values():
-        pool = members if front is None else heapq.nsmallest(4 * front, members, key=_objective)
+        # Stable sorts throughout: among equal keys the earlier entry wins, as in heapq.nsmallest.
+        pool = members if front is None else sorted(members, key=_objective)[: 4 * front]
         pool.sort(key=_order_key)
         kept: list[_Entry] = []
         for e in pool:
             h, n = e[_H], e[_N]
-            if not any(k[_H] <= h and k[_N] <= n for k in kept):
+            for k in kept:
+                if k[_H] <= h and k[_N] <= n:
+                    break
+            else:
                 kept.append(e)
         if front is not None:
             kept = sorted(kept, key=_objective)[:front]
-            least = min(e[_N] for e in members)
+            least = min(map(_stages_of, members))
             if all(k[_N] > least for k in kept):
                 kept.append(min((e for e in members if e[_N] == least), key=_objective))
         result.extend(kept)

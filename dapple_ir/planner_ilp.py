@@ -12,6 +12,7 @@ the solver reports OPTIMAL; otherwise the gap to its bound is reported.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from dapple_ir.pipeline_cost import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
 from dapple_ir.planner_dp import replica_choices
@@ -23,6 +24,25 @@ def _ints(values: list[float], unit: float) -> list[int]:
     return [round(v / unit) for v in values]
 
 
+@dataclass(frozen=True)
+class IlpSolution:
+    """What CP-SAT found within its time limit: its best plan (the incumbent) and what it proved."""
+
+    cand: Candidate
+    estimate: Estimate
+    """The cost model's verdict on `cand` (its `iteration_s` is the incumbent's time)."""
+    optimal: bool
+    """True when CP-SAT proved no append-first plan of this shape is faster (up to the time unit)."""
+    bound_s: float
+    """CP-SAT's proven lower bound on the iteration time of every plan of this shape."""
+    gap: float
+    """(incumbent - bound) / incumbent in the solver's units; 0 when optimal."""
+
+    @property
+    def note(self) -> str:
+        return "optimal" if self.optimal else f"gap {100 * self.gap:.1f}% at the time limit"
+
+
 def solve_ilp(
     problem: Problem,
     stages: int,
@@ -30,9 +50,11 @@ def solve_ilp(
     schedule: str = "1f1b",
     time_limit_s: float = 10.0,
     hint: Candidate | None = None,
-) -> tuple[Candidate, Estimate, str] | None:
+) -> IlpSolution | None:
     """The best append-first candidate with exactly `stages` stages, or None when none is feasible.
-    `hint` (a plan of the same shape, e.g. the DP's) starts the search from a known solution."""
+    `hint` (a plan of the same shape, e.g. the DP's) starts the search from a known solution. The
+    proven lower bound is kept apart from the incumbent, for reports that compare plans with the ILP
+    when CP-SAT did not close the gap."""
     from ortools.sat.python import cp_model
 
     cluster = problem.cluster
@@ -156,9 +178,11 @@ def solve_ilp(
     if cand is None:
         return None
     value, bound = solver.objective_value, solver.best_objective_bound
-    gap = 0.0 if status == cp_model.OPTIMAL or value <= 0 else (value - bound) / value
-    note = "optimal" if status == cp_model.OPTIMAL else f"gap {100 * gap:.1f}% at the time limit"
-    return cand, evaluate(problem, cand), note
+    optimal = status == cp_model.OPTIMAL
+    gap = 0.0 if optimal or value <= 0 else (value - bound) / value
+    estimate = evaluate(problem, cand)
+    bound_s = estimate.iteration_s if optimal else max(0.0, bound * unit)
+    return IlpSolution(cand, estimate, optimal, bound_s, gap)
 
 
 def plan_ilp(
@@ -190,6 +214,6 @@ def plan_ilp(
             break
         found = solve_ilp(problem, s, m, schedule, left / (len(jobs) - k), hint=by_shape.get((s, m)))
         if found is not None:
-            results.append(found)
+            results.append((found.cand, found.estimate, found.note))
     results.sort(key=lambda r: (not r[1].fits, r[1].iteration_s))
     return results

@@ -201,7 +201,9 @@ def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tup
     from dapple_ir.pass_manager import PassManager, build_pipeline
     from dapple_ir.simulator import simulate
 
-    trial = copy.deepcopy(module)
+    # The lowering passes write stages, programs and module attributes, never ops or parameters: a
+    # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
+    trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
     write_stages(trial, problem, cand)
     passes = build_pipeline(f"schedule{{kind={cand.schedule}}},lower-comm,insert-frees")
     PassManager(passes, verify=False).run(trial)
@@ -210,11 +212,45 @@ def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tup
 
 
 def _simulate_best(module: Module, problem: Problem, best: list[Scored], cluster: ClusterSpec) -> None:
+    done: list[tuple[Candidate, Scored]] = []
     for s in best:
+        twin = next((t for c, t in done if _lowers_alike(c, s.cand)), None)
+        if twin is not None:
+            # The same programs on the same devices: the simulation would repeat the twin's numbers.
+            s.simulated_s, s.simulated_peak, s.note = twin.simulated_s, twin.simulated_peak, twin.note
+            continue
         try:
             s.simulated_s, s.simulated_peak = lower_and_simulate(module, problem, s.cand)
         except (ImportError, DappleError) as exc:
             s.note = f"not simulated: {str(exc).splitlines()[0][:120]}"
+        done.append((s.cand, s))
+
+
+def _lowers_alike(a: Candidate, b: Candidate) -> bool:
+    """Whether `a` and `b` lower to the same rank programs up to renumbering the ranks, so that
+    their simulations agree: the same stages and microbatches, and either schedules that order
+    every replica's work the same way, or one stage whose replicas get equal shares of the
+    microbatches on the same set of devices (the order of the devices then only renames ranks)."""
+    if a.microbatches != b.microbatches or len(a.stages) != len(b.stages):
+        return False
+    if a.stages != b.stages:
+        if len(a.stages) != 1 or a.microbatches % a.stages[0].replicas:
+            return False
+        x, y = a.stages[0], b.stages[0]
+        if (x.lo, x.hi, x.replicas) != (y.lo, y.hi, y.replicas) or set(x.devices) != set(y.devices):
+            return False
+        if a.schedule == b.schedule:
+            return True
+    elif a.schedule == b.schedule:
+        return True
+    # Only the schedule differs: compare the work each replica runs (no pass after `schedule` reads
+    # the schedule's name, only the orders it produced).
+    from dapple_ir.schedules import ScheduleRequest, build_schedule
+
+    if "interleaved" in (a.schedule, b.schedule):
+        return False
+    request = ScheduleRequest(replicas=a.replicas, microbatches=a.microbatches)
+    return build_schedule(a.schedule, request) == build_schedule(b.schedule, request)
 
 
 def no_fit_message(problem: Problem, pool: list[Scored], req: Request) -> str:

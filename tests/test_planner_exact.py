@@ -87,8 +87,8 @@ def test_ilp_matches_exhaustive_search_and_dp(seed: int) -> None:
             assert found is None and dp is None
             continue
         assert found is not None and dp is not None
-        _cand, est, note = found
-        assert note == "optimal"
+        est = found.estimate
+        assert found.optimal and found.note == "optimal"
         # The ILP works in integer time units of 1e-8 of the total: equal up to that rounding.
         assert est.iteration_s == pytest.approx(want, rel=1e-5)
         assert evaluate(problem, dp).iteration_s == pytest.approx(want, rel=1e-9)
