@@ -38,7 +38,7 @@ def calibrate(spec: str, devices: int, work: Path) -> Path:
     profile, toml = work / "profile.json", work / "cluster.toml"
     steps = [
         [DAPPLE, "profile", spec, "--device", "cpu", "--microbatch", str(MICROBATCH), "--threads", "1", "--quiet",
-         "-o", str(profile)],
+         "--no-cache", "-o", str(profile)],
         [DAPPLE, "calibrate", "--device", "cpu", "--devices", str(devices), "--fit", str(profile), "-o", str(toml)],
     ]  # fmt: skip
     for cmd in steps:

@@ -133,7 +133,8 @@ def profile_captured(
     gm = captured.graph_module.to(device)
     module: Module = captured.module
     ops = {op.name: op for op in module.ops}
-    inputs = iter(_tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, captured.example_inputs))
+    placeholders = _tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, captured.example_inputs)
+    inputs = iter(placeholders)
     timer = Timer(device, repeats, warmup)
     env: dict[Any, Any] = {}
     entries: dict[str, dict[str, Any]] = {}
@@ -159,8 +160,25 @@ def profile_captured(
         "repeats": repeats,
         "total_fwd_s": sum(e["fwd_s"] for e in entries.values()),
         "total_bwd_s": sum(e["bwd_s"] for e in entries.values()),
+        "step_s": _step_s(gm, list(placeholders), timer),
         "ops": entries,
     }
+
+
+def _step_s(gm: Any, inputs: list[Any], timer: Timer) -> float:
+    """One whole forward and backward of the graph, no op timed on its own: the level the op times
+    (each measured apart, with its own call and synchronisation costs) are scaled to by `calibrate --fit`."""
+    import torch
+
+    def step() -> None:
+        outs = [t for t in _tensors(gm(*inputs)) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    with torch.enable_grad():
+        seconds = timer.time(step)
+    gm.zero_grad(set_to_none=True)
+    return seconds
 
 
 def _entry(op: Any, fwd_s: float, bwd_s: float) -> dict[str, Any]:

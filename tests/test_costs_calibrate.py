@@ -34,6 +34,18 @@ def test_fit_efficiency_is_roofline_over_measured(tmp_path: Path) -> None:
     assert fit_efficiency(str(path), kind) == expected
 
 
+def test_fit_scales_op_times_to_the_whole_step(tmp_path: Path) -> None:
+    # Ops timed apart sum to 0.6 s, the whole step took 0.3 s: every op counts half, so the matmul
+    # class (roofline 0.3 s) runs at full efficiency rather than half.
+    kind = DeviceKind("toy", 1e9, {"f32": 1e10}, 1e9)
+    entry = {"fwd_s": 0.2, "bwd_s": 0.4, "fwd_flops": 1e9, "bwd_flops": 2e9, "mem_bytes": 1e3, "op_class": "matmul"}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"microbatch": 1, "ops": {"mm": entry}}))
+    assert fit_efficiency(str(path), kind) == {"matmul": pytest.approx(0.5)}
+    path.write_text(json.dumps({"microbatch": 1, "step_s": 0.3, "ops": {"mm": entry}}))
+    assert fit_efficiency(str(path), kind) == {"matmul": pytest.approx(1.0)}
+
+
 def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"
     entry = {"fwd_s": 1e-3, "bwd_s": 2e-3, "fwd_flops": 1e6, "bwd_flops": 2e6, "mem_bytes": 1e4, "op_class": "matmul"}

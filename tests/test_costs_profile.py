@@ -39,6 +39,8 @@ def test_profile_sum_agrees_with_direct_timing(
     with capsys.disabled():
         print(f"\nMLP profile: sum of ops {summed * 1e3:.3f} ms, direct {direct * 1e3:.3f} ms, ratio {ratio:.2f}")
     assert 1 / TOLERANCE < ratio < TOLERANCE
+    # The profile's own whole-step timing (captured graph, no op timed apart) agrees with the eager model's.
+    assert 1 / TOLERANCE < profile["step_s"] / direct < TOLERANCE
     assert profile["cached"] is False and profile["microbatch"] == 8
     assert all(e["fwd_s"] > 0 for e in profile["ops"].values())
 

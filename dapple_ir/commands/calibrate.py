@@ -254,16 +254,21 @@ def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
     """Per op class: roofline seconds at full peak over measured seconds, summed over the class's ops.
 
     The device's per-call overhead is taken off the measured times first: efficiency describes the
-    work an op does, the overhead its call.
+    work an op does, the overhead its call. A profile that also timed the whole step (`step_s`) has
+    its op times scaled to it first: an op timed alone carries call and synchronisation costs that
+    the ops of a running step share, so the fitted model adds up to the step, not to the sum of parts.
     """
     from dapple_ir.passes.annotate_cost import roofline_times
 
     compute_only = dataclasses.replace(kind, op_overhead=0.0)
 
     try:
-        ops: dict[str, dict[str, Any]] = json.loads(Path(path).read_text())["ops"]
-    except (OSError, ValueError, KeyError) as exc:
+        profile: dict[str, Any] = json.loads(Path(path).read_text())
+        ops: dict[str, dict[str, Any]] = profile["ops"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DappleError(f"calibrate: {path} is not a profile written by `dapple profile` ({exc})") from None
+    summed = sum(float(e.get("fwd_s", 0.0)) + float(e.get("bwd_s", 0.0)) for e in ops.values())
+    scale = float(profile["step_s"]) / summed if profile.get("step_s") and summed > 0 else 1.0
     ideal: dict[str, float] = {}
     measured: dict[str, float] = {}
     for entry in ops.values():
@@ -274,7 +279,7 @@ def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
         if fwd + bwd <= 0:
             continue  # views: no work to be efficient at
         calls = (fwd > 0) + (bwd > 0)
-        spent = float(entry["fwd_s"]) + float(entry["bwd_s"]) - calls * kind.op_overhead
+        spent = (float(entry["fwd_s"]) + float(entry["bwd_s"])) * scale - calls * kind.op_overhead
         op_class = str(entry["op_class"])
         ideal[op_class] = ideal.get(op_class, 0.0) + fwd + bwd
         measured[op_class] = measured.get(op_class, 0.0) + max(spent, 1e-9)
