@@ -42,18 +42,18 @@ class Bench:
     json: bool = True
 
 
-# Budgets add up to 30 minutes; each is a hard limit, and a script's own --budget stays below it so that
-# it finishes its table in time.
+# Budgets add up to 29 minutes (the issue allows 30); each is a hard limit, and a script's own --budget
+# stays below it so that it finishes its table in time.
 BENCHES = (
-    Bench("plan_quality", 250, ("--budget", "210")),
-    Bench("compile_time", 540, ("--budget", "480")),
-    Bench("memory", 200),
-    Bench("predicted_vs_measured", 160, ("--budget", "100")),
-    Bench("runtime_vs_torch_pipelining", 300, ("--budget", "260")),
-    Bench("capture_large", 120, ("--repeats", "2")),
-    Bench("profile_accuracy", 90, (), (), json=False),
-    Bench("simulator_speed", 60, ("--repeats", "3"), ("--repeats", "1"), json=False),
-    Bench("planner", 80, (), ("--layers", "24"), json=False),
+    Bench("plan_quality", 270, ("--budget", "230")),
+    Bench("compile_time", 560, ("--budget", "510")),
+    Bench("memory", 180),
+    Bench("predicted_vs_measured", 200, ("--budget", "130")),
+    Bench("runtime_vs_torch_pipelining", 330, ("--budget", "280")),
+    Bench("capture_large", 80, ("--repeats", "2")),
+    Bench("profile_accuracy", 40, (), (), json=False),
+    Bench("simulator_speed", 30, ("--repeats", "3"), ("--repeats", "1"), json=False),
+    Bench("planner", 50, (), ("--layers", "24"), json=False),
 )
 
 
