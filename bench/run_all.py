@@ -42,14 +42,14 @@ class Bench:
     json: bool = True
 
 
-# Budgets add up to 29 minutes (the issue allows 30); each is a hard limit, and a script's own --budget
+# Budgets add up to 29.7 minutes (the issue allows 30); each is a hard limit, and a script's own --budget
 # stays below it so that it finishes its table in time.
 BENCHES = (
-    Bench("plan_quality", 270, ("--budget", "230")),
-    Bench("compile_time", 560, ("--budget", "510")),
+    Bench("plan_quality", 240, ("--budget", "200")),
+    Bench("compile_time", 540, ("--budget", "500")),
     Bench("memory", 180),
     Bench("predicted_vs_measured", 200, ("--budget", "130")),
-    Bench("runtime_vs_torch_pipelining", 330, ("--budget", "280")),
+    Bench("runtime_vs_torch_pipelining", 420, ("--budget", "380")),
     Bench("capture_large", 80, ("--repeats", "2")),
     Bench("profile_accuracy", 40, (), (), json=False),
     Bench("simulator_speed", 30, ("--repeats", "3"), ("--repeats", "1"), json=False),
