@@ -13,7 +13,7 @@ reads compute instructions only and works on any program.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dapple_ir import memory
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
@@ -94,25 +94,60 @@ def _key(instr: Instr) -> tuple[object, ...]:
     return ("grad" if instr.grad else "value", instr.value, instr.mb)
 
 
-def memory_changes(module: Module, program: RankProgram) -> Iterator[tuple[int, float]]:
+@dataclass
+class Sizes:
+    """Byte sizes of one module's stages and values, each computed once.
+
+    Every rank program of a plan asks for the same few stages' sizes: one `Sizes` shared by all of a
+    pass's (or a simulation's) programs turns per-rank rescans of the stages into lookups. Only valid
+    while the module's stages and ops stay as they are.
+    """
+
+    module: Module
+    act: dict[Stage, float] = field(default_factory=dict)
+    held: dict[Stage, float] = field(default_factory=dict)
+    transfer: dict[Op, float] = field(default_factory=dict)
+    static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
+
+    def activation(self, stage: Stage) -> float:
+        if stage not in self.act:
+            self.act[stage] = memory.activation_bytes(self.module, stage.ops)
+        return self.act[stage]
+
+    def weight_pass(self, stage: Stage) -> float:
+        if stage not in self.held:
+            self.held[stage] = weight_pass_bytes(self.module, stage)
+        return self.held[stage]
+
+    def transferred(self, value: Op) -> float:
+        if value not in self.transfer:
+            self.transfer[value] = transfer_bytes(self.module, value)
+        return self.transfer[value]
+
+    def static_of(self, stages: list[Stage]) -> float:
+        """Parameters, gradients and optimizer state of the stages a rank hosts."""
+        key = tuple(stages)
+        if key not in self.static:
+            self.static[key] = memory.static_bytes(self.module, [op for s in stages for op in s.ops])
+        return self.static[key]
+
+
+def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = None) -> Iterator[tuple[int, float]]:
     """(instruction index, bytes allocated or released: negative) for each instruction that changes the
     rank's live bytes, in program order. A free of something the rank never allocated (a value it sent,
     say) releases nothing and is left out."""
-    act: dict[Stage, float] = {}
-    held: dict[Stage, float] = {}
-    sizes: dict[Op, float] = {}
+    sizes = sizes or Sizes(module)
     live: dict[tuple[object, ...], float] = {}
     for index, instr in enumerate(program.instrs):
         kind, stage = instr.kind, instr.stage
         if kind is InstrKind.FREE:
             size = -live.pop(_key(instr), 0.0)
         elif kind is InstrKind.FORWARD and stage is not None:
-            size = act[stage] if stage in act else act.setdefault(stage, memory.activation_bytes(module, stage.ops))
+            size = sizes.activation(stage)
         elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
-            size = held[stage] if stage in held else held.setdefault(stage, weight_pass_bytes(module, stage))
+            size = sizes.weight_pass(stage)
         elif kind is InstrKind.RECV and instr.value is not None:
-            value = instr.value
-            size = sizes[value] if value in sizes else sizes.setdefault(value, transfer_bytes(module, value))
+            size = sizes.transferred(instr.value)
         else:
             continue
         if size > 0:
@@ -122,11 +157,12 @@ def memory_changes(module: Module, program: RankProgram) -> Iterator[tuple[int, 
             yield index, size
 
 
-def program_peak(module: Module, program: RankProgram) -> RankPeak:
-    """The rank's static bytes and its live bytes at the worst instruction."""
-    static = memory.static_bytes(module, [op for s in hosted_stages(module, program) for op in s.ops])
+def program_peak(module: Module, program: RankProgram, sizes: Sizes | None = None) -> RankPeak:
+    """The rank's static bytes and its live bytes at the worst instruction (`sizes`: shared across ranks)."""
+    sizes = sizes or Sizes(module)
+    static = sizes.static_of(hosted_stages(module, program))
     total, peak, where = 0.0, 0.0, -1
-    for index, change in memory_changes(module, program):
+    for index, change in memory_changes(module, program, sizes):
         total += change
         if total > peak:
             peak, where = total, index
@@ -135,7 +171,8 @@ def program_peak(module: Module, program: RankProgram) -> RankPeak:
 
 def peak_bytes_per_rank(module: Module) -> dict[int, float]:
     """Static peak memory of every rank, by rank."""
-    return {index: program_peak(module, p).total for index, p in enumerate(module.programs)}
+    sizes = Sizes(module)
+    return {index: program_peak(module, p, sizes).total for index, p in enumerate(module.programs)}
 
 
 def activation_peak_microbatches(program: RankProgram) -> int:

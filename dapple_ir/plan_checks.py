@@ -14,7 +14,7 @@ from collections import Counter, deque
 from dapple_ir.cluster import ClusterSpec, resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import program_peak
+from dapple_ir.peak_memory import Sizes, program_peak
 from dapple_ir.printer import Namer, format_instr
 
 _COMPUTE = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
@@ -250,11 +250,12 @@ def _touches(stage: Stage) -> set[tuple[str, object]]:
 def check_memory(module: Module, cluster: str | ClusterSpec) -> None:
     """Each rank's static peak fits its device; the error names the rank, the instruction and the overflow."""
     spec = resolve_cluster(cluster) if isinstance(cluster, str) else cluster
+    sizes = Sizes(module)
     for program in module.programs:
         if program.attrs.device is None:
             continue
         capacity = spec.device(program.attrs.device).memory_bytes
-        peak = program_peak(module, program)
+        peak = program_peak(module, program, sizes)
         if peak.total <= capacity:
             continue
         at = _where(module, program, peak.index) if peak.index >= 0 else f"rank {program.rank} (static state alone)"

@@ -44,7 +44,7 @@ from dapple_ir import memory
 from dapple_ir.cluster import ClusterSpec, DeviceKind, Link, resolve_cluster
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import hosted_stages, memory_changes, transfer_bytes
+from dapple_ir.peak_memory import Sizes, hosted_stages, memory_changes, transfer_bytes
 from dapple_ir.stage_graph import tied_params
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
@@ -231,6 +231,9 @@ class _Simulator:
             self.fwd[stage], self.bwd[stage] = fwd, bwd
             self.bwd_input[stage], self.bwd_weight[stage] = bwd * f, bwd * (1.0 - f)
         self.hosted = [hosted_stages(module, p) for p in module.programs]
+        self.sizes = Sizes(module)
+        self.param_bytes: dict[tuple[Stage, ...], float] = {}
+        self.reduce_bytes: dict[Stage, float] = {}
         self.transfers: dict[tuple[Op, int, int], float] = {}
         self.tied: set[str] | None = None
 
@@ -246,7 +249,11 @@ class _Simulator:
         kind = self.cluster.device(self.devices[rank])
         if kind.mem_bandwidth == _INF:
             return 0.0
-        param_bytes = self.module.param_bytes_of([op for s in self.hosted[rank] for op in s.ops])
+        hosted = tuple(self.hosted[rank])
+        if hosted not in self.param_bytes:
+            # Replicas host the same stages: each distinct set is read once, not once per rank.
+            self.param_bytes[hosted] = self.module.param_bytes_of([op for s in hosted for op in s.ops])
+        param_bytes = self.param_bytes[hosted]
         state = memory.optimizer_state_factor(self.module.attrs.optimizer)
         return (3.0 + 2.0 * state) * param_bytes / kind.mem_bandwidth
 
@@ -265,12 +272,15 @@ class _Simulator:
     def stage_reduce_bytes(self, stage: Stage) -> float:
         """Gradient bytes a stage's replicas sum: its trainable parameters less the tied ones, which
         `lower-comm` reduces separately with `allreduce param`."""
+        if stage in self.reduce_bytes:
+            return self.reduce_bytes[stage]  # every replica of the stage asks
         if self.tied is None:
             self.tied = set(tied_params(self.module))
         table = {p.name: p for p in self.module.params}
         read = {name for op in stage.ops for name in op.attrs.params or ()}
         tied = sum(table[name].nbytes for name in read & self.tied if not table[name].attrs.buffer)
-        return self.module.param_bytes_of(stage.ops) - tied
+        self.reduce_bytes[stage] = self.module.param_bytes_of(stage.ops) - tied
+        return self.reduce_bytes[stage]
 
     # ---------------------------------------------------------------------------- the main loop
 
@@ -448,9 +458,9 @@ class _Simulator:
     def memory_curve(self, rank: int, starts: list[float]) -> list[tuple[float, float]]:
         """(time, bytes) after each allocation or release, as `peak_memory.memory_changes` counts them."""
         module = self.module
-        level = memory.static_bytes(module, [op for s in self.hosted[rank] for op in s.ops])
+        level = self.sizes.static_of(self.hosted[rank])
         curve = [(0.0, level)]
-        for i, change in memory_changes(module, module.programs[rank]):
+        for i, change in memory_changes(module, module.programs[rank], self.sizes):
             level += change
             curve.append((starts[i], level))
         return curve

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import program_peak
+from dapple_ir.peak_memory import Sizes, program_peak
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 _RELEASE = (InstrKind.BACKWARD, InstrKind.BACKWARD_WEIGHT)
@@ -37,7 +37,9 @@ class InsertFrees(Pass):
         definers = {op: s for s in module.stages for op in s.ops}
         for program in module.programs:
             program.instrs = _with_frees(program, readers, definers)
-            program.attrs.peak_bytes = program_peak(module, program).total
+        sizes = Sizes(module)
+        for program in module.programs:
+            program.attrs.peak_bytes = program_peak(module, program, sizes).total
 
 
 def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:
