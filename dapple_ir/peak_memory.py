@@ -12,8 +12,9 @@ reads compute instructions only and works on any program.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from dapple_ir import memory
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
@@ -107,29 +108,35 @@ class Sizes:
     act: dict[Stage, float] = field(default_factory=dict)
     held: dict[Stage, float] = field(default_factory=dict)
     transfer: dict[Op, float] = field(default_factory=dict)
+    params: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
 
     def activation(self, stage: Stage) -> float:
-        if stage not in self.act:
-            self.act[stage] = memory.activation_bytes(self.module, stage.ops)
-        return self.act[stage]
+        return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops))
 
     def weight_pass(self, stage: Stage) -> float:
-        if stage not in self.held:
-            self.held[stage] = weight_pass_bytes(self.module, stage)
-        return self.held[stage]
+        return _memo(self.held, stage, lambda: weight_pass_bytes(self.module, stage))
 
     def transferred(self, value: Op) -> float:
-        if value not in self.transfer:
-            self.transfer[value] = transfer_bytes(self.module, value)
-        return self.transfer[value]
+        return _memo(self.transfer, value, lambda: transfer_bytes(self.module, value))
+
+    def param_bytes(self, stages: list[Stage] | tuple[Stage, ...]) -> float:
+        """Trainable parameter bytes the stages read (`Module.param_bytes_of`)."""
+        return _memo(self.params, tuple(stages), lambda: self.module.param_bytes_of(_ops(stages)))
 
     def static_of(self, stages: list[Stage]) -> float:
         """Parameters, gradients and optimizer state of the stages a rank hosts."""
-        key = tuple(stages)
-        if key not in self.static:
-            self.static[key] = memory.static_bytes(self.module, [op for s in stages for op in s.ops])
-        return self.static[key]
+        return _memo(self.static, tuple(stages), lambda: memory.static_bytes(self.module, _ops(stages)))
+
+
+def _ops(stages: list[Stage] | tuple[Stage, ...]) -> list[Op]:
+    return [op for s in stages for op in s.ops]
+
+
+def _memo(table: dict[Any, float], key: Any, compute: Callable[[], float]) -> float:
+    if key not in table:
+        table[key] = compute()
+    return table[key]
 
 
 def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = None) -> Iterator[tuple[int, float]]:

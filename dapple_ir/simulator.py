@@ -232,7 +232,6 @@ class _Simulator:
             self.bwd_input[stage], self.bwd_weight[stage] = bwd * f, bwd * (1.0 - f)
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         self.sizes = Sizes(module)
-        self.param_bytes: dict[tuple[Stage, ...], float] = {}
         self.reduce_bytes: dict[Stage, float] = {}
         self.transfers: dict[tuple[Op, int, int], float] = {}
         self.tied: set[str] | None = None
@@ -249,11 +248,8 @@ class _Simulator:
         kind = self.cluster.device(self.devices[rank])
         if kind.mem_bandwidth == _INF:
             return 0.0
-        hosted = tuple(self.hosted[rank])
-        if hosted not in self.param_bytes:
-            # Replicas host the same stages: each distinct set is read once, not once per rank.
-            self.param_bytes[hosted] = self.module.param_bytes_of([op for s in hosted for op in s.ops])
-        param_bytes = self.param_bytes[hosted]
+        # Replicas host the same stages: `sizes` reads each distinct set once, not once per rank.
+        param_bytes = self.sizes.param_bytes(self.hosted[rank])
         state = memory.optimizer_state_factor(self.module.attrs.optimizer)
         return (3.0 + 2.0 * state) * param_bytes / kind.mem_bandwidth
 
@@ -279,7 +275,7 @@ class _Simulator:
         table = {p.name: p for p in self.module.params}
         read = {name for op in stage.ops for name in op.attrs.params or ()}
         tied = sum(table[name].nbytes for name in read & self.tied if not table[name].attrs.buffer)
-        self.reduce_bytes[stage] = self.module.param_bytes_of(stage.ops) - tied
+        self.reduce_bytes[stage] = self.sizes.param_bytes((stage,)) - tied
         return self.reduce_bytes[stage]
 
     # ---------------------------------------------------------------------------- the main loop

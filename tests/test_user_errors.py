@@ -94,20 +94,28 @@ def test_unknown_device_kind(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "unknown device kind 'V200'" in message and "V100-16GB" in message
 
 
-def test_global_batch_not_divisible(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        pytest.param(
+            ["--global-batch", "7", "--microbatches", "2"],
+            "global batch 7 is not divisible into 2 microbatches",
+            id="global-batch-not-divisible",
+        ),
+        pytest.param(
+            ["--global-batch", "8", "--stages", "4"],
+            "4 stages were requested but cluster 1x2xV100-16GB has only 2 devices",
+            id="more-stages-than-devices",
+        ),
+    ],
+)
+def test_impossible_shape_on_two_devices(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], expected: str
+) -> None:
     message = _error(
-        capsys, "compile", f"profile:{BERT}", "--cluster", "1x2xV100-16GB", "--global-batch", "7",
-        "--microbatches", "2", "-o", str(tmp_path / "p"),
-    )  # fmt: skip
-    assert "global batch 7 is not divisible into 2 microbatches" in message
-
-
-def test_more_stages_than_devices(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    message = _error(
-        capsys, "compile", f"profile:{BERT}", "--cluster", "1x2xV100-16GB", "--global-batch", "8",
-        "--stages", "4", "-o", str(tmp_path / "p"),
-    )  # fmt: skip
-    assert "4 stages were requested but cluster 1x2xV100-16GB has only 2 devices" in message
+        capsys, "compile", f"profile:{BERT}", "--cluster", "1x2xV100-16GB", *flags, "-o", str(tmp_path / "p")
+    )
+    assert expected in message
 
 
 def test_plan_that_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

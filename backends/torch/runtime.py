@@ -507,11 +507,10 @@ def _weight_split(
     on any input form one more pass of their own. None when a parameter is reached from two places
     (a weight used twice, say): separate passes would then miss or double its gradient.
     """
-    wanted = {id(p) for p in params}
+    by_id = {id(p): p for p in params}
     leaf_ids = {id(t) for t in leaves}
     reaches_leaf: dict[Node, bool] = {}
-    below: dict[Node, frozenset[int]] = {}  # ids of the wanted parameters a node's gradient reaches
-    by_id = {id(p): p for p in params}
+    below: dict[Node, frozenset[int]] = {}  # ids of the parameters in `by_id` a node's gradient reaches
     stack: list[tuple[Node, bool]] = [(o.grad_fn, False) for o in outs if o.grad_fn is not None]
     while stack:  # iterative post-order: stage graphs can be deeper than Python's recursion limit
         node, expanded = stack.pop()
@@ -525,20 +524,20 @@ def _weight_split(
         variable = getattr(node, "variable", None)
         own = id(variable) if variable is not None else None
         reaches_leaf[node] = own in leaf_ids or any(reaches_leaf[c] for c in children)
-        below[node] = frozenset({own} if own in wanted else ()).union(*(below[c] for c in children))
+        below[node] = frozenset({own} if own in by_id else ()).union(*(below[c] for c in children))
     groups: list[tuple[Node, frozenset[int]]] = []
     for node, on_input_path in reaches_leaf.items():
         off_path = [c for c, _ in node.next_functions if c is not None and not reaches_leaf[c]]
         off = frozenset().union(*(below[c] for c in off_path))
         if on_input_path and off:
             groups.append((node, off))
-    detached = [(o, g, o.grad_fn) for o, g in zip(outs, grads, strict=True) if o.grad_fn is not None]
-    detached = [(o, g, fn) for o, g, fn in detached if not reaches_leaf[fn]]
-    detached_params = frozenset().union(*(below[fn] for _, _, fn in detached))
+    # Outputs whose gradient never reaches a stage input: their whole backward is weight work.
+    detached = [(o, g) for o, g in zip(outs, grads, strict=True) if o.grad_fn and not reaches_leaf[o.grad_fn]]
+    detached_params = frozenset().union(*(below[o.grad_fn] for o, _ in detached if o.grad_fn))
     counted = [detached_params, *(ps for _, ps in groups)]
     if sum(len(ps) for ps in counted) != len(frozenset().union(*counted)):
         return None
-    whole = _WeightPass([o for o, _, _ in detached], [g for _, g, _ in detached], [by_id[i] for i in detached_params])
+    whole = _WeightPass([o for o, _ in detached], [g for _, g in detached], [by_id[i] for i in detached_params])
     return whole, [(node, [by_id[i] for i in ps]) for node, ps in groups]
 
 
