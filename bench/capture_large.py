@@ -2,7 +2,7 @@
 
 Each method runs in a fresh process (so its peak RSS is its own), `--repeats` times, phases timed
 separately: importing torch (with torch._dynamo, which meta kernels pull in), building the model on
-meta, tracing + shape propagation (capture), and the per-op cost annotation (`dapple_ir.flops`).
+meta, tracing + shape propagation (capture), and the per-op cost annotation (`dapple_ir.frontend.flops`).
 Reports medians; nothing is asserted.
 
     .venv/bin/python bench/capture_large.py [--quick] [--repeats N] [--json PATH]
@@ -36,8 +36,8 @@ def one_run(method: str, factory: str) -> dict[str, Any]:
     import torch._dynamo  # noqa: F401  (torch's meta kernels import it on first use: count it here)
 
     times["import torch"] = time.perf_counter() - t
-    from dapple_ir.flops import annotate_flops
-    from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec
+    from dapple_ir.frontend.flops import annotate_flops
+    from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 
     t = time.perf_counter()
     loaded = load_model_spec(str(ROOT / "examples" / "gpt.py") + f":{factory}", device="meta")

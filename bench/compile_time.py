@@ -51,9 +51,9 @@ def one_config(layers: int, devices: int, quick: bool) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt  # type: ignore[import-not-found]
 
-    from dapple_ir.capture import capture
+    from dapple_ir.frontend.capture import capture
+    from dapple_ir.ir.printer import print_module
     from dapple_ir.pass_manager import PassManager, build_pipeline
-    from dapple_ir.printer import print_module
     from dapple_ir.registry import PassContext
 
     result: dict[str, Any] = {"layers": layers, "devices": devices, "import_s": time.perf_counter() - t0}

@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 import dapple_ir
-from dapple_ir.model_spec import capture_spec, structure_hash
-from dapple_ir.peak_memory import program_peak
+from dapple_ir.frontend.model_spec import capture_spec, structure_hash
+from dapple_ir.analysis.peak_memory import program_peak
 
 device = sys.argv[1]
 gpus = torch.cuda.device_count() if device == "cuda" else 0

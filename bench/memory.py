@@ -53,7 +53,7 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, tr
     import json
 
     import dapple_ir
-    from dapple_ir.peak_memory import program_peak
+    from dapple_ir.analysis.peak_memory import program_peak
 
     plan_dir = work / f"{schedule}-{m}"
     module = copy.deepcopy(planned)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.time()
-    from dapple_ir.model_spec import capture_spec, structure_hash
+    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
 
     spec = f"{BENCH / 'bench_models.py'}:{'mlp_tiny' if args.quick else 'mlp_memory'}"
     module = capture_spec(spec, device="meta")

@@ -5,7 +5,7 @@ meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x
 
 - ours: the `plan` pass's search (DP + ILP + baselines, best few ranked by the simulator), its
   simulated iteration time;
-- each baseline of `dapple_ir.baselines` (data parallel, uniform, parameter-balanced, time-balanced,
+- each baseline of `dapple_ir.planner.baselines` (data parallel, uniform, parameter-balanced, time-balanced,
   PipeDream's planner), lowered with the same schedule passes and simulated the same way;
 - speed-up = baseline simulated time / ours (above 1: ours is faster); "no fit" when the
   baseline's best plan does not fit in device memory;
@@ -50,7 +50,7 @@ def profile_files() -> list[Path]:
 
 def load_models(quick: bool) -> list[tuple[str, Any, int]]:
     """(name, module before costs, global batch) for every model."""
-    from dapple_ir.profile_import import import_profile
+    from dapple_ir.frontend.profile_import import import_profile
 
     models: list[tuple[str, Any, int]] = []
     files = profile_files()
@@ -59,7 +59,7 @@ def load_models(quick: bool) -> list[tuple[str, Any, int]]:
         module = import_profile(str(f))
         # Two samples per device and DAPPLE's 16 devices: a global batch where pipelining matters.
         models.append((f.stem, module, 32 * int(module.attrs.batch or 1)))
-    from dapple_ir.model_spec import capture_spec
+    from dapple_ir.frontend.model_spec import capture_spec
 
     for name in () if quick else EXAMPLES:
         spec = f"examples/{name}.py:{'factory' if quick else 'factory_large'}"
@@ -74,17 +74,17 @@ def load_models(quick: bool) -> list[tuple[str, Any, int]]:
 
 def ilp_solution(problem: Any, stages: int, microbatches: int, schedule: str, time_limit_s: float) -> Any:
     """CP-SAT's incumbent and proven bound at this stage and microbatch count (None: no solution)."""
-    from dapple_ir.planner_ilp import solve_ilp
+    from dapple_ir.planner.ilp import solve_ilp
 
     return solve_ilp(problem, stages, microbatches, schedule, time_limit_s)
 
 
 def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) -> dict[str, Any]:
-    from dapple_ir.baselines import all_baselines
-    from dapple_ir.cluster import resolve_cluster
+    from dapple_ir.cluster.spec import resolve_cluster
     from dapple_ir.pass_manager import PassManager, build_pipeline
-    from dapple_ir.pipeline_cost import problem_from_module
-    from dapple_ir.planner_search import Request, lower_and_simulate, search
+    from dapple_ir.planner.baselines import all_baselines
+    from dapple_ir.planner.cost_model import problem_from_module
+    from dapple_ir.planner.search import Request, lower_and_simulate, search
     from dapple_ir.registry import PassContext
 
     timings: dict[str, float] = {}

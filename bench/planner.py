@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from dapple_ir.baselines import BASELINES
-from dapple_ir.cluster import resolve_cluster
+from dapple_ir.cluster.spec import resolve_cluster
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpaqueType, OpAttrs, OpKind
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.pipeline_cost import problem_from_module
-from dapple_ir.planner_search import Request, lower_and_simulate, search
+from dapple_ir.planner.baselines import BASELINES
+from dapple_ir.planner.cost_model import problem_from_module
+from dapple_ir.planner.search import Request, lower_and_simulate, search
 
 CLUSTERS = [("1x8xV100-16GB", 512), ("8x8xV100-16GB", 512), ("128x8xV100-16GB", 2048)]
 

@@ -22,7 +22,7 @@ MODELS = ("examples/mlp.py:factory", "examples/gpt.py:factory", "examples/cnn.py
 
 
 def analytic_s(spec: str, microbatch: int, cluster: str) -> float:
-    from dapple_ir.model_spec import capture_spec
+    from dapple_ir.frontend.model_spec import capture_spec
     from dapple_ir.pass_manager import PassManager, build_pipeline
     from dapple_ir.registry import PassContext
 
@@ -39,7 +39,7 @@ def main() -> int:
     args = parser.parse_args()
     os.chdir(ROOT)
     from dapple_ir.cli import main as dapple
-    from dapple_ir.profiler import direct_step_s, profile_spec, write_profile
+    from dapple_ir.frontend.profiler import direct_step_s, profile_spec, write_profile
 
     devices = str(max(1, (os.cpu_count() or 1) // args.threads))
     with tempfile.TemporaryDirectory() as tmp:

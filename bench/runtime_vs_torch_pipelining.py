@@ -258,7 +258,7 @@ def compile_plan(cfg: Config, plan_dir: Path) -> list[list[int]]:
 
 def stage_split(plan_dir: Path) -> list[list[int]]:
     """Which `nn.Sequential` children each stage of the plan holds, read from the ops' module paths."""
-    from dapple_ir.parser import parse_module
+    from dapple_ir.ir.parser import parse_module
 
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     split: list[list[int]] = []

@@ -18,7 +18,7 @@ import time
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpAttrs, OpKind, Param, Stage, StageAttrs, TensorType
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.registry import PassContext
-from dapple_ir.simulator import simulate
+from dapple_ir.sim.simulator import simulate
 
 CASES = [("1f1b", 8, 16), ("1f1b", 16, 64), ("gpipe", 64, 256), ("1f1b", 64, 256), ("zb-h1", 64, 256)]
 
@@ -58,7 +58,7 @@ def lower(module: Module, kind: str, microbatches: int) -> Module:
 
 def example_picture(path: str) -> None:
     """8 GPT-sized stages (4 x 1024 x 1600 activations) on 2 servers of 4 V100s, 16 microbatches, 1f1b."""
-    from dapple_ir.timeline import draw_timeline, from_simulation
+    from dapple_ir.sim.timeline import draw_timeline, from_simulation
 
     module = lower(chain(8, (4, 1024, 1600), 0.04, 1.5e9, (1600, 6400)), "1f1b", 16)
     module.name = "gpt-like"

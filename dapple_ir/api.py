@@ -18,8 +18,8 @@ from typing import Any
 
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, OpKind
+from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.printer import print_module
 from dapple_ir.registry import PassContext
 
 PLANNERS = ("auto", "dp", "ilp")
@@ -90,7 +90,7 @@ def compile(
             f"choose --microbatches among the divisors of {global_batch}"
         )
     module, spec_text = _load(model_spec, profile_batch)
-    from dapple_ir.model_spec import structure_hash
+    from dapple_ir.frontend.model_spec import structure_hash
 
     model_hash = structure_hash(module)
     module.attrs.global_batch = global_batch
@@ -121,7 +121,7 @@ def compile(
 def _load(model_spec: str | Module, profile_batch: int | None) -> tuple[Module, str]:
     if isinstance(model_spec, Module):
         return model_spec, model_spec.attrs.source or model_spec.name
-    from dapple_ir.model_spec import capture_spec
+    from dapple_ir.frontend.model_spec import capture_spec
 
     return capture_spec(model_spec, device="meta", profile_batch=profile_batch), model_spec
 

@@ -10,10 +10,10 @@ from typing import TextIO
 
 from dapple_ir.errors import DappleError, PassError
 from dapple_ir.ir import Module
-from dapple_ir.parser import parse_pipeline
-from dapple_ir.printer import print_module
+from dapple_ir.ir.parser import parse_pipeline
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 from dapple_ir.registry import Pass, PassContext, lookup_pass
-from dapple_ir.verifier import verify_module
 
 
 def build_pipeline(text: str) -> list[Pass]:

@@ -19,10 +19,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dapple_ir.cluster import ClusterSpec, DeviceKind, resolve_cluster
+from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
-from dapple_ir.memory import optimizer_state_factor
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 #: Backward bytes moved, relative to the forward's (see the module docstring).

@@ -5,16 +5,16 @@ Release points, for microbatch m on one rank:
   * `free %v mb=m`: a received activation, after the release of the last stage on the rank that reads it;
   * `free grad %v mb=m`: a received gradient, after the release of the stage that defines v.
 Frees follow the sends that directly follow that compute, so gradients leave before memory is returned.
-`program.attrs.peak_bytes` is then the static peak of `dapple_ir.peak_memory`.
+`program.attrs.peak_bytes` is then the static peak of `dapple_ir.analysis.peak_memory`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapple_ir.analysis.peak_memory import Sizes, program_peak
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import Sizes, program_peak
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 _RELEASE = (InstrKind.BACKWARD, InstrKind.BACKWARD_WEIGHT)

@@ -1,6 +1,6 @@
 """`lower-comm`: add data loading, send/recv pairs, gradient allreduces and the optimizer step.
 
-What crosses which stage boundary is `dapple_ir.stage_graph`'s answer; a value goes straight from its
+What crosses which stage boundary is `dapple_ir.analysis.stage_graph`'s answer; a value goes straight from its
 producer to each consumer stage, skipping the stages between. Values of `input` ops are never sent: every
 rank whose stage holds or reads an input runs `load_microbatch` before its first forward of that microbatch.
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dapple_ir.analysis.stage_graph import Crossing, crossings, tied_params, values_needing_grad
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage
 from dapple_ir.registry import Pass, PassContext, register_pass
 from dapple_ir.schedules import COMPUTE_KINDS
-from dapple_ir.stage_graph import Crossing, crossings, tied_params, values_needing_grad
 
 _BACKWARD_INPUT = (InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT)
 

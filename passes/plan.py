@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dapple_ir.cluster import resolve_cluster
+from dapple_ir.cluster.spec import resolve_cluster
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module
-from dapple_ir.pipeline_cost import POLICIES, SCHEDULES, problem_from_module
-from dapple_ir.planner_search import Request, search, write_stages
+from dapple_ir.planner.cost_model import POLICIES, SCHEDULES, problem_from_module
+from dapple_ir.planner.search import Request, search, write_stages
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 _METHODS = ("auto", "dp", "ilp")

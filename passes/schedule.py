@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dapple_ir import schedules
+from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
-from dapple_ir.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 _BUILTIN = frozenset({"gpipe", "1f1b", "zb-h1", "interleaved"})

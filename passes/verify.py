@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapple_ir.analysis.plan_checks import run_plan_checks
 from dapple_ir.ir import Module
-from dapple_ir.plan_checks import run_plan_checks
+from dapple_ir.ir.verifier import verify_module
 from dapple_ir.registry import Pass, PassContext, register_pass
-from dapple_ir.verifier import verify_module
 
 
 @register_pass

@@ -13,8 +13,8 @@ from dapple_ir.backends.torch.stage_module import model_param_names, split_stage
 from dapple_ir.backends.torch.transport import from_jsonable, to_jsonable
 
 from dapple_ir.cli import main
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import InstrKind
-from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec
 from tests.test_runtime import GPT, MLP, make_plan
 
 

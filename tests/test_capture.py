@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapple_ir.capture import Captured, capture
+from dapple_ir.frontend.capture import Captured, capture
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
 from dapple_ir.ir import OpKind, TensorType
-from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
-from dapple_ir.parser import parse_module
-from dapple_ir.printer import print_module
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [
@@ -39,7 +39,7 @@ _CACHE: dict[tuple[str, str], Captured] = {}
 
 
 def _captured(example: str, method: str) -> Captured:
-    # Costs (dapple_ir.flops) are tested on their own; one example keeps them to see they print and parse.
+    # Costs (dapple_ir.frontend.flops) are tested on their own; one example keeps them to see they print and parse.
     if (example, method) not in _CACHE:
         costs = (example, method) == ("gpt", "fx")
         _CACHE[example, method] = capture_loaded(_load(example), method=method, annotate_costs=costs)

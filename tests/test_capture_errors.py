@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dapple_ir.capture import capture
 from dapple_ir.errors import CaptureError
+from dapple_ir.frontend.capture import capture
 
 THIS = Path(__file__).name
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import OpKind, TensorType
-from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.verifier import verify_module
 
 ROOT = Path(__file__).resolve().parent.parent
 

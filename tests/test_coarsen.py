@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.ir import Module
+from dapple_ir.ir.verifier import verify_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.profile_import import import_profile
-from dapple_ir.verifier import verify_module
 from tests.paths import PROFILE_FILES
 
 PROFILES = PROFILE_FILES

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
-from dapple_ir.simulator import simulate
+from dapple_ir.sim.simulator import simulate
 from tests.paths import PROFILES
 
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
@@ -177,7 +177,7 @@ def test_one_layer_too_big_for_any_device(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.slow
 def test_example_model_compiles_with_rank_files_and_model_hash(tmp_path: Path, capsys) -> None:
-    from dapple_ir.model_spec import capture_spec, structure_hash
+    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
 
     spec = "examples/mlp.py:factory"
     code, _, _ = _compile(

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dapple_ir.cluster import PRESETS
+from dapple_ir.cluster.spec import PRESETS
 from dapple_ir.errors import PassError
-from dapple_ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.printer import print_module
 from dapple_ir.registry import PassContext
 
 GOLDEN = Path(__file__).parent / "golden" / "annotate_cost"
@@ -104,7 +104,7 @@ def test_measured_profile_must_cover_every_op(tmp_path: Path) -> None:
 
 
 def test_optimizer_option_sets_the_memory_model() -> None:
-    from dapple_ir.memory import static_bytes
+    from dapple_ir.analysis.memory import static_bytes
 
     text = (
         "module @m attributes {batch = 2} {\n  param @w : f32[10,10]\n  %x = input : f32[2,10]\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
-from dapple_ir.cluster import DEFAULT_LINKS, DeviceKind, resolve_cluster
+from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind, resolve_cluster
 from dapple_ir.commands.calibrate import fit_efficiency
 
 

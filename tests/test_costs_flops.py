@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from dapple_ir.flops import annotate_flops
+from dapple_ir.frontend.flops import annotate_flops
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpaqueType, OpKind, TensorType
 
 _KINDS = {
@@ -28,7 +28,7 @@ class _Captured:
 
 
 def _trace(model: Any, *shapes: tuple[int, ...]) -> _Captured:
-    """A bare IR mirror of an fx trace (op names = node names), independent of `dapple_ir.capture`."""
+    """A bare IR mirror of an fx trace (op names = node names), independent of `dapple_ir.frontend.capture`."""
     gm = torch.fx.symbolic_trace(model)
     ops: dict[str, Op] = {}
     inputs = iter(shapes)
@@ -115,7 +115,7 @@ def test_attention_block_matches_closed_form() -> None:
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_capture_records_costs_for_the_example_mlp(method: str) -> None:
-    from dapple_ir.model_spec import capture_loaded, load_model_spec
+    from dapple_ir.frontend.model_spec import capture_loaded, load_model_spec
 
     loaded = load_model_spec("examples/mlp.py:factory", device="meta")
     assert not isinstance(loaded, Module)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dapple_ir.cli import main
-from dapple_ir.model_spec import capture_spec
+from dapple_ir.frontend.model_spec import capture_spec
+from dapple_ir.frontend.profiler import direct_step_s, profile_spec, write_profile
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.profiler import direct_step_s, profile_spec, write_profile
 from dapple_ir.registry import PassContext
 
 MLP = "examples/mlp.py:factory"

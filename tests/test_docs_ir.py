@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.ir import InstrKind, OpKind
-from dapple_ir.parser import parse_module, parse_pipeline
-from dapple_ir.printer import print_module
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module, parse_pipeline
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "ir.md"
 BLOCKS = re.findall(r"```dapple\n(.*?)```", DOC.read_text(), flags=re.S)

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 
 from dapple_ir.errors import ParseError
 from dapple_ir.ir import Module, OpaqueType, TensorType
-from dapple_ir.parser import parse_module
-from dapple_ir.printer import print_module
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 from tests.ir_strategies import modules
 
 GOLDEN = sorted((Path(__file__).parent / "golden" / "ir").glob("*.dapple"))

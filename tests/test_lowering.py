@@ -6,14 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from dapple_ir.analysis.peak_memory import (
+    activation_peak_microbatches,
+    memory_changes,
+    peak_bytes_per_rank,
+    weight_pass_bytes,
+)
+from dapple_ir.analysis.plan_checks import find_deadlock, run_plan_checks
 from dapple_ir.cli import main
 from dapple_ir.errors import DappleError, VerifyError
 from dapple_ir.ir import InstrKind, Module
-from dapple_ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.peak_memory import activation_peak_microbatches, memory_changes, peak_bytes_per_rank, weight_pass_bytes
-from dapple_ir.plan_checks import find_deadlock, run_plan_checks
-from dapple_ir.printer import print_module
 from dapple_ir.registry import PassContext
 from tests.pipeline_fixtures import chain_module
 

@@ -12,10 +12,10 @@ import torch
 from dapple_ir.cli import main
 from dapple_ir.commands.dump import group_of, summary_table
 from dapple_ir.errors import CaptureError
+from dapple_ir.frontend.model_spec import FactoryResult, capture_spec, load_model_spec
 from dapple_ir.ir import Module, Op, OpAttrs, OpKind, TensorType
-from dapple_ir.model_spec import FactoryResult, capture_spec, load_model_spec
-from dapple_ir.parser import parse_module
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.verifier import verify_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,9 +145,9 @@ def test_profile_specs_go_to_the_profile_importer(monkeypatch: pytest.MonkeyPatc
         calls.append((path, batch))
         return sentinel
 
-    fake = types.ModuleType("dapple_ir.profile_import")
+    fake = types.ModuleType("dapple_ir.frontend.profile_import")
     fake.import_profile = import_profile  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dapple_ir.profile_import", fake)
+    monkeypatch.setitem(sys.modules, "dapple_ir.frontend.profile_import", fake)
     assert load_model_spec("profile:some/graph.txt", profile_batch=32) is sentinel
     assert capture_spec("profile:other.txt") is sentinel
     assert calls == [("some/graph.txt", 32), ("other.txt", None)]
@@ -192,8 +192,8 @@ def test_summary_groups_containers_by_item_and_writes_only_set_columns() -> None
 
 def test_structure_hash_ignores_the_plan() -> None:
     """Planning adds layers, stages, programs and costs; the model's hash must not change."""
+    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
     from dapple_ir.ir import Layer, Stage
-    from dapple_ir.model_spec import capture_spec, structure_hash
 
     module = capture_spec("examples/mlp.py:factory")
     before = structure_hash(module)

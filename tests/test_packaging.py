@@ -25,7 +25,7 @@ def test_wheel_contents(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     for required in (
         "dapple_ir/__init__.py",
-        "dapple_ir/ir.py",
+        "dapple_ir/ir/core.py",
         "dapple_ir/grammars/dapple.lark",
         "dapple_ir/passes/__init__.py",
         "dapple_ir/passes/dce.py",

@@ -11,9 +11,9 @@ import pytest
 
 from dapple_ir.errors import DappleError, PassError, PassOptionError
 from dapple_ir.ir import Module
-from dapple_ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline, pipeline_spec
-from dapple_ir.printer import print_module
 from dapple_ir.registry import Pass, PassContext, all_passes, load_plugin, lookup_pass, register_pass
 
 ROOT = Path(__file__).resolve().parent.parent

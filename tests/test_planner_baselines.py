@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from dapple_ir.baselines import (
+from dapple_ir.cluster.spec import parse_shorthand
+from dapple_ir.planner.baselines import (
     data_parallel,
     pipedream_stages,
     time_balanced_partition,
     uniform_partition,
 )
-from dapple_ir.cluster import parse_shorthand
-from dapple_ir.pipeline_cost import Problem
+from dapple_ir.planner.cost_model import Problem
 
 
 def _problem(fwd: list[float], grads: list[float], cuts: list[float], cluster: str = "1x2xV100-16GB") -> Problem:

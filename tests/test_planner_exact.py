@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from dapple_ir.cluster import ClusterSpec, Link, parse_shorthand
-from dapple_ir.pipeline_cost import Candidate, Problem, StageChoice, candidate, evaluate, place
-from dapple_ir.planner_dp import replica_choices, solve
-from dapple_ir.planner_ilp import solve_ilp
+from dapple_ir.cluster.spec import ClusterSpec, Link, parse_shorthand
+from dapple_ir.planner.cost_model import Candidate, Problem, StageChoice, candidate, evaluate, place
+from dapple_ir.planner.dp import replica_choices, solve
+from dapple_ir.planner.ilp import solve_ilp
 
 GB = 1e9
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dapple_ir.errors import PassError
+from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.profile_import import import_profile
 from dapple_ir.registry import PassContext
 from tests.paths import PROFILES
 

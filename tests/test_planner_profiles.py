@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from dapple_ir.baselines import all_baselines
-from dapple_ir.cluster import resolve_cluster
+from dapple_ir.cluster.spec import resolve_cluster
+from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.pipeline_cost import problem_from_module
-from dapple_ir.planner_search import Request, lower_and_simulate, search
-from dapple_ir.profile_import import import_profile
+from dapple_ir.planner.baselines import all_baselines
+from dapple_ir.planner.cost_model import problem_from_module
+from dapple_ir.planner.search import Request, lower_and_simulate, search
 from dapple_ir.registry import PassContext
 from tests.paths import PROFILE_FILES
 
@@ -61,6 +61,6 @@ def test_example_plan_is_no_worse_than_any_baseline(spec: str, cluster: str) -> 
 
 @functools.cache
 def _captured(spec: str) -> Module:
-    from dapple_ir.model_spec import capture_spec
+    from dapple_ir.frontend.model_spec import capture_spec
 
     return capture_spec(spec, device="meta")

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from dapple_ir.baselines import pipedream_stages
-from dapple_ir.cluster import parse_shorthand
-from dapple_ir.pipeline_cost import Candidate, Problem, StageChoice
-from dapple_ir.planner_search import _lowers_alike
+from dapple_ir.cluster.spec import parse_shorthand
+from dapple_ir.planner.baselines import pipedream_stages
+from dapple_ir.planner.cost_model import Candidate, Problem, StageChoice
+from dapple_ir.planner.search import _lowers_alike
 
 
 def _random_problem(rng: random.Random, cluster: str) -> Problem:
@@ -88,7 +88,7 @@ def test_schedules_lower_alike_only_when_every_replica_runs_the_same_work() -> N
 
 def test_ilp_bound_never_exceeds_its_best_plan() -> None:
     pytest.importorskip("ortools")
-    from dapple_ir.planner_ilp import solve_ilp
+    from dapple_ir.planner.ilp import solve_ilp
 
     problem = _random_problem(random.Random(3), "2x8xV100-16GB")
     found = solve_ilp(problem, min(2, problem.layers), 16, "1f1b", time_limit_s=5.0)

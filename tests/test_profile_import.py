@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.errors import CaptureError
+from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.ir import OpKind
-from dapple_ir.parser import parse_module
-from dapple_ir.printer import print_module
-from dapple_ir.profile_import import import_profile
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 from tests.paths import PROFILES
 
 FILES = sorted(PROFILES.glob("*.txt"))

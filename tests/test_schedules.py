@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple_ir import schedules
+from dapple_ir.analysis.peak_memory import activation_peak_microbatches
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import InstrKind, Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.peak_memory import activation_peak_microbatches
 from dapple_ir.schedules import ScheduleRequest, Work
 from tests.pipeline_fixtures import chain_module
 

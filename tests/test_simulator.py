@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from dapple_ir.cluster import ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import (
     Instr,
@@ -27,10 +27,10 @@ from dapple_ir.ir import (
     StageAttrs,
     TensorType,
 )
-from dapple_ir.parser import parse_module
-from dapple_ir.printer import print_module
-from dapple_ir.simulator import SimulationResult, simulate
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
+from dapple_ir.sim.simulator import SimulationResult, simulate
 
 F, B, BI, W = InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT
 COMPUTE = (F, B, BI, W, InstrKind.OPTIMIZER_STEP)
@@ -403,7 +403,7 @@ def test_simulator_imports_neither_torch_nor_matplotlib() -> None:
     import sys
 
     code = (
-        "import sys, dapple_ir.simulator, dapple_ir.timeline, dapple_ir.commands.simulate; "
+        "import sys, dapple_ir.sim.simulator, dapple_ir.sim.timeline, dapple_ir.commands.simulate; "
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from dapple_ir.analysis.peak_memory import peak_bytes_per_rank
 from dapple_ir.ir import InstrKind, Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.peak_memory import peak_bytes_per_rank
 from dapple_ir.registry import PassContext
-from dapple_ir.simulator import simulate
+from dapple_ir.sim.simulator import simulate
 from tests.pipeline_fixtures import chain_module
 from tests.test_simulator import pipeline_module
 

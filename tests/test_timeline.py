@@ -11,9 +11,9 @@ import pytest
 
 from dapple_ir.cli import main
 from dapple_ir.ir import InstrKind
-from dapple_ir.printer import print_module
-from dapple_ir.simulator import simulate
-from dapple_ir.timeline import (
+from dapple_ir.ir.printer import print_module
+from dapple_ir.sim.simulator import simulate
+from dapple_ir.sim.timeline import (
     Timeline,
     draw_timeline,
     figure_size,

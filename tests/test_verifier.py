@@ -6,8 +6,8 @@ import pytest
 
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Op, OpKind, TensorType
-from dapple_ir.parser import parse_module
-from dapple_ir.verifier import verify_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.verifier import verify_module
 
 HEAD = "module @m attributes {microbatches = 2} {\n  param @w : f32[4,4]\n"
 CHAIN = """  %x = input : f32[2,4] {index = 0}

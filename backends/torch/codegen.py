@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Instr, InstrKind, Module, RankProgram
-from dapple_ir.printer import Namer, format_instr, print_module
+from dapple_ir.ir.printer import Namer, format_instr, print_module
 
 _HEADER = '''"""Rank {rank} of plan `{module}`{hosted}: {count} instructions per step.
 

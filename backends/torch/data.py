@@ -52,7 +52,7 @@ def data_function(spec: str) -> DataFn | None:
     """`dapple_data` defined next to the factory of `spec`, if any."""
     import sys
 
-    from dapple_ir.model_spec import _resolve_factory
+    from dapple_ir.frontend.model_spec import _resolve_factory
 
     factory = _resolve_factory(spec)
     module = sys.modules.get(getattr(factory, "__module__", ""))

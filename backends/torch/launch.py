@@ -373,7 +373,7 @@ def _step_windows(reports: dict[int, dict[str, Any]]) -> dict[int, tuple[float, 
 
 def _write_timeline(plan: Plan, reports: dict[int, dict[str, Any]], windows: dict[int, tuple[float, float]]) -> Path:
     """The last step's spans and memory on every rank, in the simulator's trace format."""
-    from dapple_ir.timeline import MemorySample, Span, Timeline, write_trace
+    from dapple_ir.sim.timeline import MemorySample, Span, Timeline, write_trace
 
     start, end = windows[max(windows)]
     spans, memory = [], []

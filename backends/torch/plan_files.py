@@ -14,7 +14,7 @@ from typing import Any
 
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
-from dapple_ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module
 
 PLAN_JSON = "plan.json"
 PLAN_IR = "plan.dapple"

@@ -36,7 +36,7 @@ def train_reference(
     lr: float,
 ) -> ReferenceResult:
     """Train `spec`'s model for `steps` steps on one CPU device, microbatched like the plan."""
-    from dapple_ir.model_spec import FactoryResult, load_model_spec
+    from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
 
     loaded = load_model_spec(spec, device="cpu", seed=seed)
     if not isinstance(loaded, FactoryResult):

@@ -95,7 +95,7 @@ def prepare_model(plan: Plan) -> Prepared:
 
 
 def _prepare(plan: Plan, method: str) -> Prepared:
-    from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
+    from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
 
     loaded = load_model_spec(plan.model_spec, device="cpu", seed=plan.seed)
     if not isinstance(loaded, FactoryResult):

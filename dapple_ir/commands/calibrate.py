@@ -15,9 +15,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster import DEFAULT_LINKS, ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.spec import DEFAULT_LINKS, ClusterSpec, DeviceKind, Link
 from dapple_ir.errors import DappleError
-from dapple_ir.profiler import Timer
+from dapple_ir.frontend.profiler import Timer
 
 #: Matmul edge and bytes copied per device type: large enough to reach the steady rate, small enough
 #: to finish in a second or two.
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         spec = ClusterSpec(
             spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(args.fit, solo)
         )
-    from dapple_ir.cluster_toml import cluster_to_toml
+    from dapple_ir.cluster.toml_file import cluster_to_toml
 
     Path(args.output).write_text(cluster_to_toml(spec))
     fitted = ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency.items()) or "defaults"

@@ -7,7 +7,7 @@ import sys
 
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
-from dapple_ir.pipeline_cost import POLICIES, SCHEDULES
+from dapple_ir.planner.cost_model import POLICIES, SCHEDULES
 
 _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain

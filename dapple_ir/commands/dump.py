@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dapple_ir.ir import Module, Op, OpKind
-from dapple_ir.printer import print_module
+from dapple_ir.ir.printer import print_module
 
 _EPILOG = """examples:
   dapple dump examples/gpt.py:factory
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple_ir.model_spec import capture_loaded, load_model_spec
+    from dapple_ir.frontend.model_spec import capture_loaded, load_model_spec
 
     loaded = load_model_spec(args.model_spec, device=args.device, profile_batch=args.profile_batch)
     if isinstance(loaded, Module):

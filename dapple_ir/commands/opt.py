@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from dapple_ir.errors import DappleError
-from dapple_ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.printer import print_module
 from dapple_ir.registry import PassContext, load_plugin
 
 

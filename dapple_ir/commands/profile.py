@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple_ir.profiler import cache_dir, profile_spec, write_profile
+    from dapple_ir.frontend.profiler import cache_dir, profile_spec, write_profile
 
     if args.threads is not None and args.threads < 1:
         raise DappleError(f"--threads must be at least 1, not {args.threads}")

@@ -47,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple_ir.simulator import BACKWARD_INPUT_FRACTION, simulate
-    from dapple_ir.timeline import draw_timeline, from_simulation, overlay, read_trace, write_trace
+    from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, simulate
+    from dapple_ir.sim.timeline import draw_timeline, from_simulation, overlay, read_trace, write_trace
 
     plan = Path(args.plan)
     if not plan.exists():

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
-from dapple_ir.cluster import ClusterSpec, resolve_cluster
+from dapple_ir.analysis.peak_memory import Sizes, program_peak
+from dapple_ir.cluster.spec import ClusterSpec, resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import Sizes, program_peak
-from dapple_ir.printer import Namer, format_instr
+from dapple_ir.ir.printer import Namer, format_instr
 
 _COMPUTE = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
 

@@ -40,12 +40,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dapple_ir import memory
-from dapple_ir.cluster import ClusterSpec, DeviceKind, Link, resolve_cluster
+from dapple_ir.analysis import memory
+from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes, transfer_bytes
+from dapple_ir.analysis.stage_graph import tied_params
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link, resolve_cluster
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
-from dapple_ir.peak_memory import Sizes, hosted_stages, memory_changes, transfer_bytes
-from dapple_ir.stage_graph import tied_params
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
 BACKWARD_INPUT_FRACTION = 0.5
@@ -168,7 +168,7 @@ def simulate(
 def _load(module_or_path: Module | str | Path) -> Module:
     if isinstance(module_or_path, Module):
         return module_or_path
-    from dapple_ir.parser import parse_module
+    from dapple_ir.ir.parser import parse_module
 
     path = Path(module_or_path)
     if path.is_dir():
@@ -418,7 +418,7 @@ class _Simulator:
         stuck = [r for r, p in enumerate(programs) if pc[r] < len(p.instrs)]
         if not stuck:
             return
-        from dapple_ir.printer import Namer, format_instr
+        from dapple_ir.ir.printer import Namer, format_instr
 
         namer = Namer(self.module.ops)
         lines = [

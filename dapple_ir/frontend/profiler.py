@@ -8,7 +8,7 @@ of its outputs with respect to its floating inputs and parameters (a fixed graph
 `retain_graph`). Each figure is the fastest of `repeats` measurements (the least disturbed); one measurement repeats the
 call until it lasts about a millisecond, so microsecond ops are not lost in the timer's noise.
 
-Activation bytes come from the capture's estimate (saved tensors on meta, see `dapple_ir.flops`).
+Activation bytes come from the capture's estimate (saved tensors on meta, see `dapple_ir.frontend.flops`).
 Results are cached under `$DAPPLE_IR_CACHE` (default `~/.cache/dapple-ir`), keyed by the structure
 hash of the captured IR, the device, the microbatch, the repeats and the torch version, so that a
 second run is instant. The JSON is what `annotate-cost{source=profile.json}` reads.
@@ -62,7 +62,7 @@ def profile_spec(
     if threads is not None:
         torch.set_num_threads(threads)
 
-    from dapple_ir.model_spec import FactoryResult, capture_loaded, load_model_spec
+    from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 
     if spec.startswith("profile:"):
         raise DappleError(f"{spec} is an imported profile: it already has measured times and cannot be run")
@@ -89,7 +89,7 @@ def profile_spec(
 def cache_key(module: Module, device: str, repeats: int) -> str:
     import torch
 
-    from dapple_ir.model_spec import structure_hash
+    from dapple_ir.frontend.model_spec import structure_hash
 
     parts = [structure_hash(module), device, str(module.attrs.batch), str(repeats), torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
@@ -336,7 +336,7 @@ def direct_step_s(
     """Seconds (fastest of `repeats`) of one whole forward + loss + backward: the reference timing."""
     import torch
 
-    from dapple_ir.model_spec import FactoryResult, load_model_spec
+    from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
 
     if threads is not None:
         torch.set_num_threads(threads)

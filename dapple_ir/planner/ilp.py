@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from dapple_ir.pipeline_cost import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
-from dapple_ir.planner_dp import replica_choices
+from dapple_ir.planner.cost_model import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
+from dapple_ir.planner.dp import replica_choices
 
 _MEMORY_UNIT = 1024.0
 

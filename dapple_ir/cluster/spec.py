@@ -163,7 +163,7 @@ def parse_shorthand(text: str) -> ClusterSpec:
 def resolve_cluster(text: str) -> ClusterSpec:
     """A cluster from a shorthand or a TOML file path."""
     if text.endswith(".toml"):
-        from dapple_ir.cluster_toml import load_cluster_toml
+        from dapple_ir.cluster.toml_file import load_cluster_toml
 
         return load_cluster_toml(text)
     return parse_shorthand(text)

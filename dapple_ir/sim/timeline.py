@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from dapple_ir.errors import DappleError
 
 if TYPE_CHECKING:
-    from dapple_ir.simulator import SimulationResult
+    from dapple_ir.sim.simulator import SimulationResult
 
 TRACE_VERSION = 1
 COMPUTE_TRACK = "compute"
@@ -104,7 +104,7 @@ class Timeline:
 
 def from_simulation(result: SimulationResult) -> Timeline:
     """The timeline of a simulated iteration: compute and comm spans, memory after each change."""
-    from dapple_ir.simulator import COMM_KINDS, COMPUTE_KINDS
+    from dapple_ir.sim.simulator import COMM_KINDS, COMPUTE_KINDS
 
     module = result.module
     critical = set(result.critical_path)

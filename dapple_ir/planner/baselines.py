@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from functools import lru_cache
 
-from dapple_ir.pipeline_cost import Candidate, Estimate, Problem, candidate, evaluate, microbatch_choices
+from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, microbatch_choices
 
 
 def _microbatches(problem: Problem) -> list[int]:

@@ -15,9 +15,9 @@ import math
 from functools import cache
 from operator import itemgetter
 
-from dapple_ir.cluster import ClusterSpec
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import PlanError
-from dapple_ir.pipeline_cost import (
+from dapple_ir.planner.cost_model import (
     _PATH_SHARE,
     Candidate,
     Estimate,

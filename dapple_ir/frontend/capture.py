@@ -51,7 +51,7 @@ from dapple_ir.ir import (
     Type,
 )
 
-log = logging.getLogger("dapple_ir.capture")
+log = logging.getLogger("dapple_ir.frontend.capture")
 
 #: Which modules fx keeps as single ops: a predicate `(module, path) -> bool`, or extra module types
 #: on top of the default (`torch.nn` built-ins), or None for the default alone.
@@ -128,7 +128,7 @@ def capture(
 
     `example_inputs` is a tuple of tensors (a dict is taken as keyword arguments); a model without a
     loss function must return a scalar loss or a dict with a `"loss"` entry. `annotate_costs` records
-    per-op FLOPs and activation bytes (`dapple_ir.flops`); a runtime that only executes can skip it.
+    per-op FLOPs and activation bytes (`dapple_ir.frontend.flops`); a runtime that only executes can skip it.
     """
     import torch
 
@@ -161,7 +161,7 @@ def capture(
     )
     if not annotate_costs:
         return captured
-    from dapple_ir.flops import annotate_flops
+    from dapple_ir.frontend.flops import annotate_flops
 
     skipped = annotate_flops(captured)
     if skipped:
@@ -791,7 +791,7 @@ def _check_output(module: Module) -> None:
     value = out.operands[0].type if out.operands else OpaqueType()
     if isinstance(value, TensorType) and value.shape == () and value.dtype in ("f64", "f32", "f16", "bf16"):
         return
-    from dapple_ir.printer import format_type
+    from dapple_ir.ir.printer import format_type
 
     raise CaptureError(
         f"the captured graph returns {format_type(value)}, not a scalar floating-point loss; give a loss_fn "

@@ -35,7 +35,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind, Link
 from dapple_ir.errors import ClusterError
 
 _TOP_KEYS = {"name", "nodes", "devices_per_node", "device", "node_devices", "device_kinds", "links", "efficiency"}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, TupleType
-from dapple_ir.printer import Namer, print_module
+from dapple_ir.ir.printer import Namer, print_module
 
 _CONTEXT_LINES = 3
 

@@ -30,6 +30,9 @@ DTYPE_BYTES: dict[str, int] = {
     "c64": 8,
 }
 
+#: The dtypes whose values carry gradients (floating and complex).
+FLOAT_DTYPES: frozenset[str] = frozenset({"f64", "f32", "f16", "bf16", "c64"})
+
 
 @dataclass(frozen=True, slots=True)
 class TensorType:
@@ -325,6 +328,15 @@ class InstrKind(enum.Enum):
     by its own `allreduce param @p` over every rank holding it."""
     OPTIMIZER_STEP = "optimizer_step"
     """Apply the optimizer to this rank's parameters and clear their gradients."""
+
+
+#: The instructions that run a stage's computation (every other kind moves, frees or reduces data).
+COMPUTE_KINDS: frozenset[InstrKind] = frozenset(
+    {InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT}
+)
+
+#: The instructions that compute input gradients (and so send gradients to the previous stage).
+INPUT_GRAD_KINDS: frozenset[InstrKind] = frozenset({InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT})
 
 
 @dataclass(eq=False, slots=True)

@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from dapple_ir.cluster import ClusterSpec, Link
+from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module
-from dapple_ir.memory import optimizer_state_factor
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 POLICIES = ("append-first", "fresh-first", "scatter-first")

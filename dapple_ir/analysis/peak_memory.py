@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapple_ir import memory
+from dapple_ir.analysis import memory
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
 
 

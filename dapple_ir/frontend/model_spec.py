@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from dapple_ir.errors import CaptureError
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpAttrs
-from dapple_ir.printer import print_module
+from dapple_ir.ir.printer import print_module
 
 if TYPE_CHECKING:
-    from dapple_ir.capture import Captured
+    from dapple_ir.frontend.capture import Captured
 
 PROFILE_PREFIX = "profile:"
 
@@ -61,7 +61,7 @@ def load_model_spec(
 ) -> FactoryResult | Module:
     """Resolve `spec` and call its factory; a `profile:` spec returns the imported `Module`."""
     if spec.startswith(PROFILE_PREFIX):
-        from dapple_ir.profile_import import import_profile
+        from dapple_ir.frontend.profile_import import import_profile
 
         return import_profile(spec[len(PROFILE_PREFIX) :], profile_batch)
     if device not in ("cpu", "meta"):
@@ -95,7 +95,7 @@ def capture_spec(
 
 def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_costs: bool = True) -> Captured:
     """Capture what a factory returned (`capture` with the spec recorded as the source)."""
-    from dapple_ir.capture import capture
+    from dapple_ir.frontend.capture import capture
 
     return capture(
         loaded.model,

@@ -8,12 +8,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from dapple_ir.baselines import all_baselines
-from dapple_ir.cluster import ClusterSpec
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Stage, StageAttrs
-from dapple_ir.pipeline_cost import POLICIES, Candidate, Estimate, Problem, evaluate, microbatch_choices
-from dapple_ir.planner_dp import plan_dp, policies_for, replicated_pipelines
+from dapple_ir.planner.baselines import all_baselines
+from dapple_ir.planner.cost_model import POLICIES, Candidate, Estimate, Problem, evaluate, microbatch_choices
+from dapple_ir.planner.dp import plan_dp, policies_for, replicated_pipelines
 
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
@@ -104,7 +104,7 @@ def search(module: Module, problem: Problem, req: Request, simulate: bool = True
             for cand, est in replicated_pipelines(problem, microbatches=ms, schedule=schedule, bound=bound * 1.25):
                 pool.append(Scored(cand, est))
     if req.method == "ilp" or (req.method == "auto" and problem.layers <= 24 and cluster.num_devices <= 16):
-        from dapple_ir.planner_ilp import plan_ilp
+        from dapple_ir.planner.ilp import plan_ilp
 
         seeds = plan_dp(problem, microbatches=ms, schedules=[schedule], policies=["append-first"], stages=req.stages)
         hints = [c for c, _est in seeds[:3]]
@@ -199,7 +199,7 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
 def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy."""
     from dapple_ir.pass_manager import PassManager, build_pipeline
-    from dapple_ir.simulator import simulate
+    from dapple_ir.sim.simulator import simulate
 
     # The lowering passes write stages, programs and module attributes, never ops or parameters: a
     # copy of those three suffices (a deep copy of a large model costs about a second per candidate).

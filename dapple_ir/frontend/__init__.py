@@ -1,0 +1,6 @@
+"""From a PyTorch model or a published profile to the IR: capture (torch.fx / torch.export on the
+meta device), FLOPs, model specs, profile import, measured profiling and device measurement.
+
+The only package besides `dapple_ir.backends.torch` that imports torch (at the top of its modules);
+`profile_import` alone is torch-free, so planning a published profile never loads torch.
+"""
