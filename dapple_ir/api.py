@@ -21,6 +21,7 @@ from dapple_ir.ir import Module, OpKind
 from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.registry import PassContext
+from dapple_ir.units import GB
 
 PLANNERS = ("auto", "dp", "ilp")
 
@@ -158,7 +159,7 @@ def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dic
 
 
 def report_text(module: Module, plan: dict[str, Any], explain: list[str]) -> str:
-    gb = 1e9
+    gb = GB
     lines = [
         f"model {plan['model_spec']} on {plan['cluster']}: global batch {plan['global_batch']} = "
         f"{plan['microbatches']} microbatches x {plan['microbatch_size']}, schedule {plan['schedule']}, "

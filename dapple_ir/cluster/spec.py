@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dapple_ir.errors import ClusterError
-
-GB = 1e9
-GiB = 2**30
+from dapple_ir.units import GB
 
 
 @dataclass(frozen=True, slots=True)

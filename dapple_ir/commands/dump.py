@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dapple_ir.ir import Module, Op, OpKind
 from dapple_ir.ir.printer import print_module
+from dapple_ir.units import format_bytes, format_count, format_seconds
 
 _EPILOG = """examples:
   dapple dump examples/gpt.py:factory
@@ -143,16 +144,16 @@ def summary_table(module: Module) -> str:
 
 
 def _cells(name: str, row: _Row, has_act: bool, costs: list[tuple[str, str]]) -> list[str]:
-    cells = [name, str(row.ops), _count(row.params), _bytes(row.param_bytes)]
-    cells.append(_bytes(row.act_bytes if has_act else row.out_bytes))
+    cells = [name, str(row.ops), format_count(row.params), format_bytes(row.param_bytes, 1)]
+    cells.append(format_bytes(row.act_bytes if has_act else row.out_bytes, 1))
     for attr, _ in costs:
         value = row.sums.get(attr)
         if value is None:
             cells.append("-")
         elif attr.endswith("_s"):
-            cells.append(_seconds(value))
+            cells.append(format_seconds(value, 2))
         else:
-            cells.append(_count(value))
+            cells.append(format_count(value))
     return cells
 
 
@@ -165,25 +166,3 @@ def _render(rows: list[list[str]]) -> str:
         if k == 0 or k == len(rows) - 2:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n"
-
-
-def _count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"

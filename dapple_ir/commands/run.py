@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dapple_ir.units import format_bytes
+
 _EPILOG = """examples:
   dapple run plans/gpt --steps 5 --check
   dapple run plans/gpt --steps 5 --transport threads --optimizer adam --lr 1e-3
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     print("measured peak memory per rank:")
     for rank, (peak, device) in enumerate(zip(result.peak_bytes, result.devices, strict=True)):
         how = "CUDA allocator peak" if device.startswith("cuda") else "bytes the runtime holds"
-        print(f"  rank {rank}: {_size(peak)} ({device}, {how})")
+        print(f"  rank {rank}: {format_bytes(peak, 1)} ({device}, {how})")
     if result.timeline is not None:
         print(f"measured timeline: {result.timeline}")
     if args.save:
@@ -83,14 +85,3 @@ def run(args: argparse.Namespace) -> int:
         f"{c.max_param_diff:.3g} ({c.worst_param}); {verdict} at rtol {RTOL:g}, atol {ATOL:g}"
     )
     return 0 if c.ok else 1
-
-
-def _size(n: float) -> str:
-    if n < 1024:
-        return f"{int(n)} B"
-    units = ["KiB", "MiB", "GiB"]
-    n /= 1024
-    while n >= 1024 and len(units) > 1:
-        n /= 1024
-        units.pop(0)
-    return f"{n:.1f} {units[0]}"

@@ -14,6 +14,7 @@ from dapple_ir.ir import Module, Stage, StageAttrs
 from dapple_ir.planner.baselines import all_baselines
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Estimate, Problem, evaluate, microbatch_choices
 from dapple_ir.planner.dp import plan_dp, policies_for, replicated_pipelines
+from dapple_ir.units import GB
 
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
@@ -257,7 +258,7 @@ def no_fit_message(problem: Problem, pool: list[Scored], req: Request) -> str:
     cluster = problem.cluster
     cap = problem.capacity(0)
     kind = cluster.device(0).name
-    gb = 1e9
+    gb = GB
     biggest = max(problem.static_bytes)
     if biggest > cap:
         return (
@@ -301,7 +302,7 @@ def _fit_hint(problem: Problem, req: Request) -> str:
 
 
 def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], rejected: list[Scored]) -> list[str]:
-    gb = 1e9
+    gb = GB
     lines = [
         f"plan: {problem.layers} layers, global batch {problem.global_batch}, cluster {problem.cluster.name} "
         f"({problem.cluster.num_devices} devices); {len(ranked)} fitting candidates, {len(rejected)} rejected",

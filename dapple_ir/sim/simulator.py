@@ -46,6 +46,7 @@ from dapple_ir.analysis.stage_graph import tied_params
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link, resolve_cluster
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.units import format_bytes, format_seconds
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
 BACKWARD_INPUT_FRACTION = 0.5
@@ -128,12 +129,12 @@ class SimulationResult:
         for r, program in enumerate(self.module.programs):
             busy, bubble = 100.0 * (1.0 - bubbles[r]), 100.0 * bubbles[r]
             device = _device_of(self.module, program, r)
-            peak = _format_bytes(self.peak_bytes[r])
+            peak = format_bytes(self.peak_bytes[r])
             lines.append(f"{r:>4}  {device:>6}  {busy:>7.1f}  {bubble:>8.1f}  {peak:>12}")
         mean_bubble = 100.0 * sum(bubbles) / max(1, len(bubbles))
         lines.append(
-            f"iteration {_format_seconds(self.iteration_s)} on {self.cluster_name}; mean bubble {mean_bubble:.1f} %; "
-            f"peak memory {_format_bytes(max(self.peak_bytes, default=0.0))}"
+            f"iteration {format_seconds(self.iteration_s)} on {self.cluster_name}; mean bubble {mean_bubble:.1f} %; "
+            f"peak memory {format_bytes(max(self.peak_bytes, default=0.0))}"
         )
         return "\n".join(lines)
 
@@ -482,18 +483,3 @@ def _critical_path(ends: list[list[float]], waited_on: dict[tuple[int, int], tup
             i -= 1
     path.reverse()
     return path
-
-
-def _format_seconds(seconds: float) -> str:
-    if seconds >= 1.0:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} us"
-
-
-def _format_bytes(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes:.0f} B"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dapple_ir.errors import DappleError
+from dapple_ir.units import format_seconds, seconds_unit
 
 if TYPE_CHECKING:
     from dapple_ir.sim.simulator import SimulationResult
@@ -384,7 +385,7 @@ def _default_title(timeline: Timeline) -> str:
     if timeline.iteration_s > 0 and timeline.ranks and not compared:
         bubble = 1 - busy / (timeline.iteration_s * timeline.ranks)
         parts.append(f"bubble {100 * bubble:.1f} %")
-    parts.append(f"iteration {_seconds(timeline.iteration_s)} ({timeline.source})")
+    parts.append(f"iteration {format_seconds(timeline.iteration_s)} ({timeline.source})")
     return " · ".join(parts)
 
 
@@ -487,7 +488,7 @@ def _draw_memory(ax: Any, timeline: Timeline, end: float) -> None:
         color = cmap(rank / max(1, timeline.ranks - 1))
         ax.step(xs, ys, where="post", linewidth=1.0, color=color, label=timeline.label(rank).split(" · ")[0])
     ax.set_ylabel(f"memory ({unit})", fontsize=8)
-    time_unit, scale = _time_unit(end)
+    time_unit, scale = seconds_unit(end, threshold=10.0)
     ax.set_xlabel(f"time ({time_unit})", fontsize=9)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x * scale:g}"))
     ax.tick_params(labelsize=8)
@@ -525,16 +526,3 @@ def _byte_unit(nbytes: float) -> tuple[str, float]:
         if nbytes >= size:
             return unit, size
     return "B", 1.0
-
-
-def _time_unit(seconds: float) -> tuple[str, float]:
-    if seconds >= 10.0:
-        return "s", 1.0
-    if seconds >= 10e-3:
-        return "ms", 1e3
-    return "µs", 1e6
-
-
-def _seconds(seconds: float) -> str:
-    unit, scale = _time_unit(seconds)
-    return f"{seconds * scale:.4g} {unit}"
