@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 
 import dapple_ir
-from dapple_ir.frontend.model_spec import capture_spec, structure_hash
+from dapple_ir.frontend.spec_loader import capture_spec
+from dapple_ir.ir.structure import structure_hash
 from dapple_ir.analysis.peak_memory import program_peak
 
 device = sys.argv[1]

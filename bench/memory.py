@@ -7,7 +7,7 @@ steps (one process per rank through torchrun, as in production; `--transport thr
 as threads of one process) and reports each rank's measured peak: the bytes the runtime holds
 (parameters, gradients, stored values, and the tensors autograd saved for backward, each storage once).
 
-Prediction: `dapple_ir.peak_memory.program_peak` of each lowered rank program (what `insert-frees`
+Prediction: `dapple_ir.analysis.peak_memory.program_peak` of each lowered rank program (what `insert-frees`
 stores as `program.attrs.peak_bytes`): static bytes (parameters + gradients) plus the live
 activations and received tensors at the worst instruction. The activation part of the measurement
 is the measured peak minus the same static bytes, so the activation error is the total error taken
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.time()
-    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
+    from dapple_ir.frontend.spec_loader import capture_spec
+    from dapple_ir.ir.structure import structure_hash
 
     spec = f"{BENCH / 'bench_models.py'}:{'mlp_tiny' if args.quick else 'mlp_memory'}"
     module = capture_spec(spec, device="meta")

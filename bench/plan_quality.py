@@ -1,6 +1,6 @@
 """Plan quality: our planner vs the plans a user would pick instead, in the same simulator.
 
-For every profile in ../shared/profiles and every example model (its large builder, captured on the
+For every profile in examples/profiles and every example model (its large builder, captured on the
 meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x8 H100 cluster:
 
 - ours: the `plan` pass's search (DP + ILP + baselines, best few ranked by the simulator), its
@@ -34,7 +34,7 @@ sys.path.insert(0, str(BENCH))
 
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
-PROFILES = Path("/work/shared/profiles")
+PROFILES = ROOT / "examples" / "profiles"
 CLUSTERS = ("2x8xV100-16GB", "16x1xV100-16GB", "4x8xH100")
 EXAMPLES = ("mlp", "gpt", "cnn", "kwargs_dict", "control_flow")
 #: Speed-ups above this are drawn clipped, with their value written above the bar.
@@ -43,9 +43,7 @@ BASELINE_NAMES = ("data-parallel", "uniform", "parameter-balanced", "time-balanc
 
 
 def profile_files() -> list[Path]:
-    here = ROOT.parent / "shared" / "profiles"
-    folder = here if here.is_dir() else PROFILES
-    return sorted(folder.glob("*.txt"))
+    return sorted(PROFILES.glob("*.txt"))
 
 
 def load_models(quick: bool) -> list[tuple[str, Any, int]]:
@@ -59,7 +57,7 @@ def load_models(quick: bool) -> list[tuple[str, Any, int]]:
         module = import_profile(str(f))
         # Two samples per device and DAPPLE's 16 devices: a global batch where pipelining matters.
         models.append((f.stem, module, 32 * int(module.attrs.batch or 1)))
-    from dapple_ir.frontend.model_spec import capture_spec
+    from dapple_ir.frontend.spec_loader import capture_spec
 
     for name in () if quick else EXAMPLES:
         spec = f"examples/{name}.py:{'factory' if quick else 'factory_large'}"
@@ -80,11 +78,12 @@ def ilp_solution(problem: Any, stages: int, microbatches: int, schedule: str, ti
 
 
 def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) -> dict[str, Any]:
-    from dapple_ir.cluster.spec import resolve_cluster
+    from dapple_ir.cluster.toml_file import resolve_cluster
     from dapple_ir.pass_manager import PassManager, build_pipeline
+    from dapple_ir.passes.plan import lower_and_simulate
     from dapple_ir.planner.baselines import all_baselines
     from dapple_ir.planner.cost_model import problem_from_module
-    from dapple_ir.planner.search import Request, lower_and_simulate, search
+    from dapple_ir.planner.search import Request, search
     from dapple_ir.registry import PassContext
 
     timings: dict[str, float] = {}
@@ -104,7 +103,7 @@ def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) ->
     problem = problem_from_module(base, cluster, global_batch)
     lap("front")
     # `search` lowers every candidate on a copy of its own: `base` stays unplanned for the baselines.
-    outcome = search(base, problem, Request())
+    outcome = search(problem, Request(), lambda cand: lower_and_simulate(base, problem, cand))
     lap("plan")
     plan_s = timings["plan"]
     chosen = outcome.chosen
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(args.json)  # partial results survive a hard stop
     table.notes += [
         "global batch: 32 x the profile batch for profiles, 16 x the example batch for examples; Adam memory model.",
-        "ours = the plan pass's search (dapple_ir.planner_search.search), which also considers the baselines; "
+        "ours = the plan pass's search (dapple_ir.planner.search.search), which also considers the baselines; "
         "every time is the simulator's, for plans lowered by the same schedule/lower-comm/insert-frees passes.",
         f"ILP: CP-SAT over append-first placements at our plan's stages, microbatches and schedule, "
         f"{args.ilp_seconds:g} s limit. 'ILP best s' is the cost model's time of the best plan it found, 'ILP bound s' "

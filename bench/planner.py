@@ -10,14 +10,16 @@ from the simulator where the cluster is small enough to simulate quickly, else f
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
-from dapple_ir.cluster.spec import resolve_cluster
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpaqueType, OpAttrs, OpKind
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.passes.plan import lower_and_simulate
 from dapple_ir.planner.baselines import BASELINES
 from dapple_ir.planner.cost_model import problem_from_module
-from dapple_ir.planner.search import Request, lower_and_simulate, search
+from dapple_ir.planner.search import Request, search
 
 CLUSTERS = [("1x8xV100-16GB", 512), ("8x8xV100-16GB", 512), ("128x8xV100-16GB", 2048)]
 
@@ -63,7 +65,8 @@ def main() -> None:
         problem = problem_from_module(module, cluster, global_batch)
         simulate = cluster.num_devices <= args.simulate_up_to
         start = time.perf_counter()
-        outcome = search(module, problem, Request(method="dp"), simulate=simulate)
+        score = functools.partial(lower_and_simulate, module, problem) if simulate else None
+        outcome = search(problem, Request(method="dp"), score)
         planning = time.perf_counter() - start
         ours = outcome.chosen.time_s
         ratios = []

@@ -22,7 +22,7 @@ MODELS = ("examples/mlp.py:factory", "examples/gpt.py:factory", "examples/cnn.py
 
 
 def analytic_s(spec: str, microbatch: int, cluster: str) -> float:
-    from dapple_ir.frontend.model_spec import capture_spec
+    from dapple_ir.frontend.spec_loader import capture_spec
     from dapple_ir.pass_manager import PassManager, build_pipeline
     from dapple_ir.registry import PassContext
 

@@ -122,9 +122,10 @@ def torch_rank(cfg: Config, split: list[list[int]], out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
     from bench_models import build_mlp
-    from dapple_ir.backends.torch.data import synthetic_batch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dapple_ir.backends.torch.data import synthetic_batch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -178,6 +179,7 @@ def _write_rank(out_dir: Path, rank: int, report: dict[str, Any]) -> None:
 def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
     """One rank of our runtime: the worker `dapple run` launches, plus the peak RSS of this process."""
     import torch
+
     from dapple_ir.backends.torch import worker
 
     torch.set_num_threads(1)

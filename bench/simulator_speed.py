@@ -1,4 +1,4 @@
-"""How fast `dapple_ir.simulator.simulate` runs on large plans (the issue asks: 64 ranks x 256 microbatches
+"""How fast `dapple_ir.sim.simulator.simulate` runs on large plans (the issue asks: 64 ranks x 256 microbatches
 well under a second).
 
 Programs come from the real passes (`schedule`, `lower-comm`, `insert-frees`) over a synthetic chain of
@@ -58,7 +58,8 @@ def lower(module: Module, kind: str, microbatches: int) -> Module:
 
 def example_picture(path: str) -> None:
     """8 GPT-sized stages (4 x 1024 x 1600 activations) on 2 servers of 4 V100s, 16 microbatches, 1f1b."""
-    from dapple_ir.sim.timeline import draw_timeline, from_simulation
+    from dapple_ir.sim.drawing import draw_timeline
+    from dapple_ir.sim.trace import from_simulation
 
     module = lower(chain(8, (4, 1024, 1600), 0.04, 1.5e9, (1600, 6400)), "1f1b", 16)
     module.name = "gpt-like"

@@ -7,23 +7,18 @@ print(result.report)
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapple_ir import plan_dir
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, OpKind
-from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.planner.search import METHODS
 from dapple_ir.registry import PassContext
 from dapple_ir.units import GB
-
-PLANNERS = ("auto", "dp", "ilp")
 
 
 @dataclass
@@ -81,8 +76,8 @@ def compile(
     manager: dict[str, Any] | None = None,
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically."""
-    if planner not in PLANNERS:
-        raise DappleError(f"planner must be one of {', '.join(PLANNERS)}, not '{planner}'")
+    if planner not in METHODS:
+        raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
     if global_batch < 1:
         raise PlanError(f"global batch must be a positive integer, not {global_batch}")
     if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
@@ -91,7 +86,7 @@ def compile(
             f"choose --microbatches among the divisors of {global_batch}"
         )
     module, spec_text = _load(model_spec, profile_batch)
-    from dapple_ir.frontend.model_spec import structure_hash
+    from dapple_ir.ir.structure import structure_hash
 
     model_hash = structure_hash(module)
     module.attrs.global_batch = global_batch
@@ -122,7 +117,7 @@ def compile(
 def _load(model_spec: str | Module, profile_batch: int | None) -> tuple[Module, str]:
     if isinstance(model_spec, Module):
         return model_spec, model_spec.attrs.source or model_spec.name
-    from dapple_ir.frontend.model_spec import capture_spec
+    from dapple_ir.frontend.spec_loader import capture_spec
 
     return capture_spec(model_spec, device="meta", profile_batch=profile_batch), model_spec
 
@@ -180,26 +175,10 @@ def report_text(module: Module, plan: dict[str, Any], explain: list[str]) -> str
 
 
 def write_plan_dir(result: CompileResult, out: Path, *, runnable: bool) -> None:
-    """Write the plan beside `out` in a temporary directory, then rename it into place."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        text = print_module(result.module)
-        (tmp / "plan.dapple").write_text(text)
-        result.plan["ir_sha256"] = hashlib.sha256(text.encode()).hexdigest()
-        (tmp / "plan.json").write_text(json.dumps(result.plan, indent=2) + "\n")
-        (tmp / "report.txt").write_text(result.report)
-        if runnable:
-            from dapple_ir.backends.torch.codegen import emit_rank_programs
+    """Write the plan directory; a runnable plan gets the torch backend's rank programs."""
+    emit: Callable[[Module, Path], object] | None = None
+    if runnable:
+        from dapple_ir.backends.torch.codegen import emit_rank_programs
 
-            emit_rank_programs(result.module, tmp)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        if old.exists():
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        emit = emit_rank_programs
+    plan_dir.write_plan_dir(out, result.module, result.plan, result.report, emit)

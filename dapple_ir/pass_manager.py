@@ -13,11 +13,13 @@ from dapple_ir.ir import Module
 from dapple_ir.ir.parser import parse_pipeline
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.verifier import verify_module
+from dapple_ir.plugins import load_builtins
 from dapple_ir.registry import Pass, PassContext, lookup_pass
 
 
 def build_pipeline(text: str) -> list[Pass]:
     """Passes from a pipeline string such as `annotate-cost,coarsen{max-layers=64}`."""
+    load_builtins()
     return [lookup_pass(spec.name).from_options(spec.options) for spec in parse_pipeline(text)]
 
 

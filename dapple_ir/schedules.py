@@ -21,7 +21,6 @@ from dapple_ir.ir import InstrKind
 
 F, B = InstrKind.FORWARD, InstrKind.BACKWARD
 BI, BW = InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT
-COMPUTE_KINDS = (F, B, BI, BW)
 
 Slot = tuple[int, int]
 """(device group, replica)."""
@@ -72,16 +71,24 @@ class ScheduleRequest:
 ScheduleFn = Callable[[ScheduleRequest], dict[int, list[Work]]]
 """Orders each device group's work over all microbatches, as if no stage were replicated."""
 SCHEDULES: dict[str, ScheduleFn] = {}
+"""The schedule registry: every name `schedule{kind=...}`, `plan{schedule=...}` and
+`dapple compile --schedule` accept, in registration order (the built-ins first)."""
 
 
 def register_schedule(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
-    """Decorator that makes a schedule function available as `schedule{kind=name}`."""
+    """Decorator that makes a schedule function available as `schedule{kind=name}` and `plan{schedule=name}`."""
 
     def wrap(fn: ScheduleFn) -> ScheduleFn:
         SCHEDULES[name] = fn
         return fn
 
     return wrap
+
+
+def is_builtin(kind: str) -> bool:
+    """Whether `kind` is one of the schedules defined here, deadlock-free by construction (a schedule a
+    plugin registers is checked where it is used)."""
+    return kind in SCHEDULES and SCHEDULES[kind].__module__ == __name__
 
 
 def build_schedule(kind: str, request: ScheduleRequest) -> dict[Slot, list[Work]]:

@@ -16,12 +16,18 @@ _BYTE_UNITS = (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 _COUNT_UNITS = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 
 
-def format_bytes(nbytes: float, digits: int = 2) -> str:
-    """`1536` -> `1.50 KiB`; below one KiB a whole number of bytes (`512 B`)."""
+def bytes_unit(nbytes: float) -> tuple[str, float]:
+    """The binary unit for showing `nbytes` and its size in bytes: `("MiB", 2**20)`."""
     for unit, size in _BYTE_UNITS:
         if abs(nbytes) >= size:
-            return f"{nbytes / size:.{digits}f} {unit}"
-    return f"{nbytes:.0f} B"
+            return unit, float(size)
+    return "B", 1.0
+
+
+def format_bytes(nbytes: float, digits: int = 2) -> str:
+    """`1536` -> `1.50 KiB`; below one KiB a whole number of bytes (`512 B`)."""
+    unit, size = bytes_unit(nbytes)
+    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes / size:.{digits}f} {unit}"
 
 
 def seconds_unit(seconds: float, *, threshold: float = 1.0) -> tuple[str, float]:

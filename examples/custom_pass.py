@@ -9,11 +9,11 @@ or register it from Python by importing this file. `docs/custom-pass.md` walks t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
-from dapple_ir.registry import Pass, PassContext, register_pass
+from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 
 @register_pass
@@ -22,8 +22,8 @@ class PinModule(Pass):
     """Move every op whose module path starts with `module` into stage number `stage`."""
 
     name = "pin-module"
-    module: str = field(default="", metadata={"doc": "module path prefix, e.g. blocks.3 or head"})
-    stage: int = field(default=0, metadata={"doc": "0-based index of the stage to pin it to"})
+    module: str = option("", "module path prefix, e.g. blocks.3 or head")
+    stage: int = option(0, "0-based index of the stage to pin it to")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if not module.stages:

@@ -4,9 +4,8 @@ Two sources:
 
 - `analytic` (default): a roofline on the cluster's device from the FLOPs and bytes that capture
   recorded (`fwd_flops`, `bwd_flops`, `mem_bytes`, `op_class`):
-  `time = max(flops / peak_flops, bytes / mem_bandwidth) / efficiency(op_class) + op_overhead`. The backward moves
-  about twice the forward's bytes (it reads the saved inputs and the output gradient, and writes
-  the input gradient). Ops whose times came from elsewhere (an imported profile) keep them.
+  `time = max(flops / peak_flops, bytes / mem_bandwidth) / efficiency(op_class) + op_overhead`
+  (`dapple_ir.cluster.roofline`). Ops whose times came from elsewhere (an imported profile) keep them.
 - `PATH.json`: times measured by `dapple profile` for each op, at the profile's microbatch.
 
 Times and activation bytes scale linearly with the samples they describe (DAPPLE's planner does the
@@ -16,17 +15,17 @@ same); the pass records the size it annotated for as `cost_batch`. Torch is not 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dapple_ir.analysis.memory import optimizer_state_factor
-from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, resolve_cluster
+from dapple_ir.cluster.roofline import roofline_times
+from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
-from dapple_ir.registry import Pass, PassContext, register_pass
+from dapple_ir.registry import Pass, PassContext, option, register_pass
 
-#: Backward bytes moved, relative to the forward's (see the module docstring).
-BACKWARD_BYTES_FACTOR = 2.0
 _FREE = (OpKind.INPUT, OpKind.OUTPUT)
 
 
@@ -37,19 +36,13 @@ class AnnotateCost(Pass):
 
     name = "annotate-cost"
 
-    source: str = field(
-        default="analytic",
-        metadata={"doc": "analytic (roofline on the cluster's device) or PATH.json written by `dapple profile`"},
+    source: str = option(
+        "analytic", "analytic (roofline on the cluster's device) or PATH.json written by `dapple profile`"
     )
-    microbatch: int = field(
-        default=0, metadata={"doc": "samples the costs describe (0: the module's cost batch, else its batch)"}
-    )
-    efficiency: str = field(
-        default="",
-        metadata={"doc": "fraction of peak: one number for every op class, or 'matmul:0.5;conv:0.4'"},
-    )
-    device: int = field(default=0, metadata={"doc": "device id whose kind the analytic roofline uses"})
-    optimizer: str = field(default="", metadata={"doc": "optimizer the memory model assumes (sgd, adam, ...)"})
+    microbatch: int = option(0, "samples the costs describe (0: the module's cost batch, else its batch)")
+    efficiency: str = option("", "fraction of peak: one number for every op class, or 'matmul:0.5;conv:0.4'")
+    device: int = option(0, "device id whose kind the analytic roofline uses")
+    optimizer: str = option("", "optimizer the memory model assumes (sgd, adam, ...)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if self.optimizer:
@@ -153,21 +146,6 @@ class AnnotateCost(Pass):
                 op.attrs.act_bytes = float(entry["act_bytes"]) * scale
         module.attrs.cost_batch = target
         ctx.log(f"annotate-cost: measured times from {path} ({data.get('device', '?')}) at {target} sample(s)")
-
-
-def roofline_times(
-    flops: tuple[float, float], moved_bytes: float, kind: DeviceKind, dtype: str = "f32", efficiency: float = 1.0
-) -> tuple[float, float]:
-    """Forward and backward seconds of an op doing `flops` (forward, backward) and moving `moved_bytes`."""
-    peak, bandwidth = kind.flops(dtype), kind.mem_bandwidth
-    fwd = max(flops[0] / peak, moved_bytes / bandwidth) / efficiency
-    bwd = max(flops[1] / peak, BACKWARD_BYTES_FACTOR * moved_bytes / bandwidth) / efficiency
-    # Ops that only touch metadata (views) run no kernel and pay no per-call overhead.
-    if fwd > 0:
-        fwd += kind.op_overhead
-    if bwd > 0:
-        bwd += kind.op_overhead
-    return fwd, bwd
 
 
 def _rescale(op: Op, old: int | None, new: int) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dapple_ir.errors import PassError
 from dapple_ir.ir import Layer, LayerAttrs, Module, Op, OpaqueType, OpKind
-from dapple_ir.registry import Pass, PassContext, register_pass
+from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 # Inputs and parameter reads have no place of their own in the chain: they join their first user,
 # so a loss target read only by the last op never crosses a cut. The output joins the loss.
@@ -20,7 +20,7 @@ class Coarsen(Pass):
     """Group ops into at most max-layers layers at cuts where few bytes cross; sum their costs."""
 
     name = "coarsen"
-    max_layers: int = field(default=128, metadata={"doc": "most layers to keep (the planner's granularity)"})
+    max_layers: int = option(128, "most layers to keep (the planner's granularity)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if self.max_layers < 1:

@@ -1,17 +1,24 @@
-"""`plan`: choose stages, replicas, placement, microbatches and schedule; write the stages."""
+"""`plan`: choose stages, replicas, placement, microbatches and schedule; write the stages.
+
+The planner (`dapple_ir.planner`) proposes and checks candidates with its cost model; this pass gives
+it the score that ranks the best few: `lower_and_simulate` lowers a candidate on a copy of the module
+(`schedule`, `lower-comm`, `insert-frees`, found by name in the registry) and simulates it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import dataclasses
+from dataclasses import dataclass
 
-from dapple_ir.cluster.spec import resolve_cluster
-from dapple_ir.errors import PlanError
+from dapple_ir import schedules
+from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module
-from dapple_ir.planner.cost_model import POLICIES, SCHEDULES, problem_from_module
+from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module
 from dapple_ir.planner.search import Request, search, write_stages
-from dapple_ir.registry import Pass, PassContext, register_pass
-
-_METHODS = ("auto", "dp", "ilp")
+from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
+from dapple_ir.sim.simulator import simulate
 
 
 @register_pass
@@ -20,14 +27,14 @@ class Plan(Pass):
     """Partition, replicate and place the layers; pick microbatches and schedule (DP, ILP or both)."""
 
     name = "plan"
-    method: str = field(default="auto", metadata={"doc": "dp, ilp, or auto (both, best few ranked by the simulator)"})
-    stages: str = field(default="auto", metadata={"doc": "number of pipeline stages, or auto"})
-    microbatches: str = field(default="auto", metadata={"doc": "microbatches per step, or auto"})
-    schedule: str = field(default="auto", metadata={"doc": f"auto or one of {', '.join(SCHEDULES)}"})
-    policy: str = field(default="auto", metadata={"doc": f"device placement: auto or one of {', '.join(POLICIES)}"})
-    global_batch: int = field(default=0, metadata={"doc": "samples per step; 0 takes the module's global_batch"})
-    simulate: bool = field(default=True, metadata={"doc": "rank the best candidates with the simulator"})
-    ilp_time_limit: float = field(default=10.0, metadata={"doc": "seconds the CP-SAT solver may take in all"})
+    method: str = option("auto", "dp, ilp, or auto (both, best few ranked by the simulator)")
+    stages: int | None = option(None, "number of pipeline stages, or auto")
+    microbatches: int | None = option(None, "microbatches per step, or auto")
+    schedule: str | None = option(None, f"auto or one of {', '.join(schedules.SCHEDULES)}")
+    policy: str | None = option(None, f"device placement: auto or one of {', '.join(POLICIES)}")
+    global_batch: int = option(0, "samples per step; 0 takes the module's global_batch")
+    simulate: bool = option(True, "rank the best candidates with the simulator")
+    ilp_time_limit: float = option(10.0, "seconds the CP-SAT solver may take in all")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         request = self.request()
@@ -39,7 +46,11 @@ class Plan(Pass):
         if not global_batch:
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
         problem = problem_from_module(module, cluster, int(global_batch))
-        outcome = search(module, problem, request, simulate=self.simulate)
+
+        def score(cand: Candidate) -> tuple[float, float]:
+            return lower_and_simulate(module, problem, cand)
+
+        outcome = search(problem, request, score if self.simulate else None)
         write_stages(module, problem, outcome.chosen.cand)
         module.attrs.cluster = cluster_text
         module.attrs.predicted_iteration_s = outcome.chosen.time_s
@@ -47,25 +58,33 @@ class Plan(Pass):
         ctx.log(f"plan: {outcome.chosen.cand.describe()}, predicted {outcome.chosen.time_s:.4f} s per iteration")
 
     def request(self) -> Request:
-        if self.method not in _METHODS:
-            raise PlanError(f"plan: method must be one of {', '.join(_METHODS)}, not '{self.method}'")
-        if self.schedule not in ("auto", *SCHEDULES):
-            raise PlanError(f"plan: schedule must be auto or one of {', '.join(SCHEDULES)}, not '{self.schedule}'")
-        if self.policy not in ("auto", *POLICIES):
-            raise PlanError(f"plan: policy must be auto or one of {', '.join(POLICIES)}, not '{self.policy}'")
+        """What this pass asks the planner for (the planner checks it: `dapple_ir.planner.search.validate`)."""
         return Request(
             method=self.method,
-            stages=_count("stages", self.stages),
-            microbatches=_count("microbatches", self.microbatches),
-            schedule=None if self.schedule == "auto" else self.schedule,
-            policy=None if self.policy == "auto" else self.policy,
+            stages=self.stages,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+            policy=self.policy,
             ilp_time_limit_s=self.ilp_time_limit,
         )
 
 
-def _count(option: str, text: str) -> int | None:
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise PlanError(f"plan: {option} must be auto or a positive integer, not '{text}'")
-    return int(text)
+def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
+    """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy."""
+    # The lowering passes write stages, programs and module attributes, never ops or parameters: a
+    # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
+    trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
+    write_stages(trial, problem, cand)
+    ctx = PassContext()
+    lowering = [
+        lookup_pass("schedule").from_options({"kind": cand.schedule}),
+        lookup_pass("lower-comm").from_options({}),
+        lookup_pass("insert-frees").from_options({}),
+    ]
+    for lowering_pass in lowering:
+        try:
+            lowering_pass.apply(ctx, trial)
+        except DappleError as exc:
+            raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
+    result = simulate(trial, cluster=problem.cluster)
+    return result.iteration_s, max(result.peak_bytes, default=0.0)

@@ -7,15 +7,14 @@ that rule, and a module whose stages name no devices at all gets devices 0, 1, .
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dapple_ir import schedules
+from dapple_ir.analysis.lowering import lowered_programs
 from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
-from dapple_ir.registry import Pass, PassContext, register_pass
-
-_BUILTIN = frozenset({"gpipe", "1f1b", "zb-h1", "interleaved"})
+from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 
 @register_pass
@@ -25,13 +24,10 @@ class Schedule(Pass):
 
     name = "schedule"
 
-    kind: str = field(
-        default="",
-        metadata={"doc": f"schedule name: {', '.join(schedules.SCHEDULES)}; empty: the plan's choice, else 1f1b"},
-    )
-    microbatches: int = field(default=0, metadata={"doc": "microbatches per step; 0 keeps the module's"})
-    virtual: int = field(default=1, metadata={"doc": "virtual stages per device group (interleaved)"})
-    from_: str = field(default="", metadata={"doc": "CSV file with the per-rank order (rank,kind,stage,mb)"})
+    kind: str = option("", f"schedule name: {', '.join(schedules.SCHEDULES)}; empty: the plan's choice, else 1f1b")
+    microbatches: int = option(0, "microbatches per step; 0 keeps the module's")
+    virtual: int = option(1, "virtual stages per device group (interleaved)")
+    from_: str = option("", "CSV file with the per-rank order (rank,kind,stage,mb)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if not module.stages:
@@ -71,7 +67,7 @@ class Schedule(Pass):
         check_compute_order(module)
         # The built-in schedules are deadlock-free by construction (and `verify` checks their lowering);
         # a hand-written or user-registered order is checked here, where the error can say whose it is.
-        if self.from_ or kind not in _BUILTIN:
+        if self.from_ or not schedules.is_builtin(kind):
             _refuse_deadlock(module, self.spec())
 
 
@@ -156,8 +152,6 @@ def _program(
 def _refuse_deadlock(module: Module, spec: str) -> None:
     # Sends go right after the compute that produced them and recvs right before the compute that
     # needs them, so the compute order deadlocks exactly when its lowering does: check the lowering.
-    from dapple_ir.passes.lower_comm import lowered_programs
-
     cycle = find_deadlock(lowered_programs(module), module)
     if cycle is not None:
         raise ScheduleError(f"{spec}: the order deadlocks: {cycle}")

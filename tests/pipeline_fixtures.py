@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from dapple_ir.ir import Module, ModuleAttrs, Op, OpAttrs, OpKind, Param, ParamAttrs, Stage, StageAttrs, TensorType
+import contextlib
+from collections.abc import Iterator
+
+from dapple_ir import schedules
+from dapple_ir.ir import (
+    InstrKind,
+    Module,
+    ModuleAttrs,
+    Op,
+    OpAttrs,
+    OpKind,
+    Param,
+    ParamAttrs,
+    Stage,
+    StageAttrs,
+    TensorType,
+)
 
 WIDTH, BATCH = 16, 8
 ACT = 512.0  # activation bytes per op at the module's batch
@@ -56,3 +72,22 @@ def chain_module(
             next_device += replicas[s]
         module.stages.append(Stage(f"s{s}", ops, attrs))
     return module
+
+
+@contextlib.contextmanager
+def reverse_gpipe_registered(name: str) -> Iterator[None]:
+    """A user schedule for the duration of a test: GPipe with the backwards in reverse microbatch order."""
+
+    @schedules.register_schedule(name)
+    def reverse_gpipe(request: schedules.ScheduleRequest) -> dict[int, list[schedules.Work]]:
+        mbs = range(request.microbatches)
+        return {
+            s: [schedules.Work(InstrKind.FORWARD, s, m) for m in mbs]
+            + [schedules.Work(InstrKind.BACKWARD, s, m) for m in reversed(mbs)]
+            for s in range(request.stages)
+        }
+
+    try:
+        yield
+    finally:
+        del schedules.SCHEDULES[name]

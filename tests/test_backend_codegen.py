@@ -1,21 +1,28 @@
-"""Rank files say exactly what the rank programs say; stage modules compose to the whole model; the CLI."""
+"""Rank files say exactly what the rank programs say (and read as the golden one does); stage modules compose
+to the whole model; the CLI."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dapple_ir.backends.torch.plan_files import load_plan
+
+from dapple_ir.backends.torch.codegen import rank_sources
 from dapple_ir.backends.torch.stage_module import model_param_names, split_stage
 from dapple_ir.backends.torch.transport import from_jsonable, to_jsonable
-
 from dapple_ir.cli import main
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import InstrKind
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.plan_dir import load_plan
 from tests.test_runtime import GPT, MLP, make_plan
+
+GOLDEN = Path(__file__).parent / "golden"
 
 
 class Recorder:
@@ -69,8 +76,28 @@ def test_rank_files_call_the_runtime_in_program_order(tmp_path: Path, spec: str,
         namespace["train_step"](recorder)
         assert recorder.calls == [expected_call(i) for i in program.instrs]
         kinds_seen |= {c[0] for c in recorder.calls}
+        phases = [line.strip() for line in source.splitlines() if line.startswith("    # --- ")]
+        assert phases[0].startswith("# --- warm-up") and phases[-1] == "# --- gradients and optimizer step ---"
+        assert any("steady state" in p for p in phases) == (kind != "gpipe")  # GPipe: all forwards, then all backwards
     assert {"send", "recv", "allreduce", "free_stage", "optimizer_step"} <= kinds_seen
     assert ("allreduce_param" in kinds_seen) == (spec == GPT)  # the tied embedding
+
+
+def test_rank_file_matches_golden() -> None:
+    """The text a person reads: 1F1B over three stages, the middle one on two ranks (rank 1 is one of them).
+
+    `DAPPLE_UPDATE_GOLDEN=rank_file pytest tests/test_backend_codegen.py` rewrites the expected file; read it
+    before keeping it.
+    """
+    module = parse_module((GOLDEN / "lower_comm" / "replicated.dapple").read_text())
+    module.attrs.global_batch = 8  # a runnable plan records it: 4 microbatches of 2 samples
+    PassManager(build_pipeline("schedule{kind=1f1b,microbatches=4},lower-comm,insert-frees,verify")).run(module)
+    got = rank_sources(module, digest="0" * 64)[1]  # a fixed digest keeps the golden independent of the printer
+    expected = GOLDEN / "rank_file" / "replicated_1f1b_rank1.py.expected"
+    if {"rank_file", "all"} & set(os.environ.get("DAPPLE_UPDATE_GOLDEN", "").split(",")):
+        expected.parent.mkdir(exist_ok=True)
+        expected.write_text(got)
+    assert got == expected.read_text(), f"{expected}: the generated rank file differs"
 
 
 def test_stage_modules_compose_to_the_whole_graph() -> None:

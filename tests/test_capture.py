@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from dapple_ir.frontend.capture import Captured, capture
-from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
-from dapple_ir.ir import OpKind, TensorType
+from dapple_ir.frontend.dtypes import IR_DTYPE_OF, TORCH_DTYPE_OF
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
+from dapple_ir.ir import DTYPE_BYTES, FLOAT_DTYPES, OpKind, TensorType
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.structure import structure_hash
 from dapple_ir.ir.verifier import verify_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +146,28 @@ def test_fx_keeps_module_paths_params_and_locations() -> None:
     split = next(op for op in module.ops if op.target == "split")
     getitems = [op for op in module.ops if op.operands[:1] == [split]]
     assert [op.attrs.index for op in getitems] == [0, 1, 2]
+
+
+def test_sequential_ops_are_located_in_the_users_file_never_in_dapple_ir() -> None:
+    """An `nn.Sequential` runs no forward of the user's: its ops sit at the user's line that captured it,
+    whether through `capture` or through a model spec (dapple_ir's own frames never count)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    direct = capture(
+        model, (torch.randn(3, 4),), loss_fn=torch.nn.functional.mse_loss, example_targets=(torch.randn(3, 2),)
+    ).module
+    via_spec = capture_loaded(_load("mlp"), method="fx", annotate_costs=False).module
+    for module in (direct, via_spec):
+        located = [op.attrs.loc for op in module.ops if op.kind not in (OpKind.INPUT, OpKind.OUTPUT)]
+        assert located and all(loc is not None for loc in located)
+        files = {Path(loc.rsplit(":", 1)[0]).resolve() for loc in located if loc is not None}
+        assert files == {Path(__file__).resolve()}, files
+    assert [op.attrs.loc for op in _captured("gpt", "fx").module.ops if "dapple_ir" in (op.attrs.loc or "")] == []
+
+
+def test_torch_dtypes_and_the_irs_agree_on_names_and_sizes() -> None:
+    assert set(IR_DTYPE_OF.values()) == set(DTYPE_BYTES)
+    assert {name: TORCH_DTYPE_OF[name].itemsize for name in DTYPE_BYTES} == DTYPE_BYTES
+    assert {name for name in DTYPE_BYTES if TORCH_DTYPE_OF[name].is_floating_point} == FLOAT_DTYPES - {"c64"}
 
 
 def test_export_records_module_paths_on_aten_ops() -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dapple_ir.cluster.spec import DEFAULT_EFFICIENCY, PRESETS, resolve_cluster
-from dapple_ir.cluster.toml_file import cluster_to_toml, load_cluster_toml
+from dapple_ir.cluster.spec import DEFAULT_EFFICIENCY, PRESETS
+from dapple_ir.cluster.toml_file import cluster_to_toml, load_cluster_toml, resolve_cluster
 from dapple_ir.errors import ClusterError
 
 

@@ -177,7 +177,8 @@ def test_one_layer_too_big_for_any_device(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.slow
 def test_example_model_compiles_with_rank_files_and_model_hash(tmp_path: Path, capsys) -> None:
-    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
+    from dapple_ir.frontend.spec_loader import capture_spec
+    from dapple_ir.ir.structure import structure_hash
 
     spec = "examples/mlp.py:factory"
     code, _, _ = _compile(

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
-from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind, resolve_cluster
+from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.commands.calibrate import fit_efficiency
 
 
@@ -72,7 +73,7 @@ def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str
 
     import torch
 
-    from dapple_ir.commands.calibrate import _busy
+    from dapple_ir.frontend.measure import _busy
 
     calls = [0, 0]
     before = threading.active_count()

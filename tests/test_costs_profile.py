@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dapple_ir.cli import main
-from dapple_ir.frontend.model_spec import capture_spec
 from dapple_ir.frontend.profiler import direct_step_s, profile_spec, write_profile
+from dapple_ir.frontend.spec_loader import capture_spec
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.registry import PassContext
 

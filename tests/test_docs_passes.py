@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dapple_ir.commands.passes import passes_markdown
-from dapple_ir.registry import all_passes
+from dapple_ir.plugins import all_passes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -12,10 +12,13 @@ import torch
 from dapple_ir.cli import main
 from dapple_ir.commands.dump import group_of, summary_table
 from dapple_ir.errors import CaptureError
-from dapple_ir.frontend.model_spec import FactoryResult, capture_spec, load_model_spec
+from dapple_ir.frontend import profile_import
+from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
+from dapple_ir.frontend.spec_loader import capture_spec
 from dapple_ir.ir import Module, Op, OpAttrs, OpKind, TensorType
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.verifier import verify_module
+from tests.paths import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,12 +148,23 @@ def test_profile_specs_go_to_the_profile_importer(monkeypatch: pytest.MonkeyPatc
         calls.append((path, batch))
         return sentinel
 
-    fake = types.ModuleType("dapple_ir.frontend.profile_import")
-    fake.import_profile = import_profile  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dapple_ir.frontend.profile_import", fake)
+    monkeypatch.setattr(profile_import, "import_profile", import_profile)
     assert load_model_spec("profile:some/graph.txt", profile_batch=32) is sentinel
     assert capture_spec("profile:other.txt") is sentinel
     assert calls == [("some/graph.txt", 32), ("other.txt", None)]
+
+
+def test_dumping_a_profile_never_imports_torch() -> None:
+    profile = PROFILES / "dapple-vgg-19-pbs-32.txt"
+    script = (
+        "import sys\n"
+        "from dapple_ir.cli import main\n"
+        f"assert main(['dump', 'profile:{profile}', '--summary', '-o', '/dev/null']) == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_dump_prints_ir_that_parses(capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,8 +206,8 @@ def test_summary_groups_containers_by_item_and_writes_only_set_columns() -> None
 
 def test_structure_hash_ignores_the_plan() -> None:
     """Planning adds layers, stages, programs and costs; the model's hash must not change."""
-    from dapple_ir.frontend.model_spec import capture_spec, structure_hash
     from dapple_ir.ir import Layer, Stage
+    from dapple_ir.ir.structure import structure_hash
 
     module = capture_spec("examples/mlp.py:factory")
     before = structure_hash(module)

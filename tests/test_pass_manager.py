@@ -14,7 +14,8 @@ from dapple_ir.ir import Module
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline, pipeline_spec
-from dapple_ir.registry import Pass, PassContext, all_passes, load_plugin, lookup_pass, register_pass
+from dapple_ir.plugins import all_passes, load_plugin
+from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = """module @mlp attributes {batch = 2} {
@@ -87,7 +88,83 @@ def test_bad_pipelines(text: str, says: str) -> None:
     assert says in str(info.value)
 
 
+@register_pass
+@dataclass(frozen=True)
+class _Typed(Pass):
+    """Test pass with optional and tuple options, declared with `option`."""
+
+    name = "test-typed"
+    stages: int | None = option(None, "a count, or auto")
+    ratio: float | None = option(0.5, "a fraction, or auto")
+    label: str | None = option(None, "a name, or auto")
+    devices: tuple[int, ...] = option((), "device ids")
+    names: tuple[str, ...] = option(("a", "b c"), "names")
+
+    def apply(self, ctx: PassContext, module: Module) -> None:
+        pass
+
+
+def test_optional_and_tuple_options_convert_by_annotation() -> None:
+    (p,) = build_pipeline('test-typed{stages=4,ratio=auto,label=x,devices=0;1;2,names="x,y;z"}')
+    assert p == _Typed(stages=4, ratio=None, label="x", devices=(0, 1, 2), names=("x,y", "z"))
+    (p,) = build_pipeline('test-typed{stages=auto,devices="",names=one}')
+    assert p == _Typed(stages=None, devices=(), names=("one",))
+    assert build_pipeline("test-typed") == [_Typed()]
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        _Typed(),
+        _Typed(stages=3, ratio=None, label="a b", devices=(4, 5), names=()),
+        _Typed(label="x,y", names=("p", "q r")),
+        _Options(count=-1, ratio=2.5, flag=True, path='say "hi"'),
+    ],
+)
+def test_spec_rebuilds_an_equal_pass(p: Pass) -> None:
+    assert build_pipeline(p.spec()) == [p]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("test-typed{stages=many}", "option 'stages' of pass 'test-typed' must be int or auto, not 'many'"),
+        ("test-typed{ratio=half}", "option 'ratio' of pass 'test-typed' must be float or auto, not 'half'"),
+        ("test-typed{devices=0;x}", "option 'devices' of pass 'test-typed' must be int values separated by ';'"),
+    ],
+)
+def test_bad_typed_options_name_pass_option_type_and_text(text: str, says: str) -> None:
+    with pytest.raises(PassOptionError) as info:
+        build_pipeline(text)
+    assert says in str(info.value)
+
+
+def test_a_pass_without_apply_is_abstract() -> None:
+    @dataclass(frozen=True)
+    class NoApply(Pass):
+        name = "test-no-apply"
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoApply()  # type: ignore[abstract]
+    with pytest.raises(PassOptionError, match="must define apply"):
+        register_pass(NoApply)
+
+
+def test_register_rejects_unsupported_option_types() -> None:
+    with pytest.raises(PassOptionError, match="option 'sizes' of pass 'test-list' has type"):
+
+        @register_pass
+        @dataclass(frozen=True)
+        class Listy(Pass):
+            name = "test-list"
+            sizes: list[int] | None = None
+
+            def apply(self, ctx: PassContext, module: Module) -> None:
+                pass
+
+
 def test_unknown_pass_lists_builtins() -> None:
+    all_passes()
     with pytest.raises(PassOptionError) as info:
         lookup_pass("nope")
     assert "dce" in str(info.value) and "verify" in str(info.value)
@@ -165,9 +242,9 @@ def test_entry_point_group_registers_passes(tmp_path: Path, monkeypatch: pytest.
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-passes\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[dapple_ir.passes]\nhello = my_passes\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from dapple_ir import registry
+    from dapple_ir import plugins
 
-    monkeypatch.setitem(registry._loaded, "builtins", False)
+    monkeypatch.setitem(plugins._loaded, "builtins", False)
     assert "hello-from-entry-point" in all_passes()
     sys.modules.pop("my_passes", None)
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from dapple_ir.errors import PassError
+from dapple_ir import schedules
+from dapple_ir.cli import main
+from dapple_ir.errors import PassError, PassOptionError
 from dapple_ir.frontend.profile_import import import_profile
-from dapple_ir.ir import Module
+from dapple_ir.ir import InstrKind, Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.registry import PassContext
 from tests.paths import PROFILES
+from tests.pipeline_fixtures import reverse_gpipe_registered
 
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
 
@@ -60,5 +66,41 @@ def test_plan_needs_a_cluster_and_a_global_batch() -> None:
 def test_bad_option_values() -> None:
     with pytest.raises(PassError, match="method must be one of"):
         _planned("method=greedy")
-    with pytest.raises(PassError, match="stages must be auto or a positive integer"):
+    with pytest.raises(PassOptionError, match="option 'stages' of pass 'plan' must be int or auto, not 'many'"):
         _planned("stages=many")
+    with pytest.raises(PassError, match="stages must be auto or a positive integer, not 0"):
+        _planned("stages=0")
+    with pytest.raises(PassError, match="schedule must be auto or one of gpipe, 1f1b, zb-h1, interleaved"):
+        _planned("schedule=pipedream")
+
+
+def test_a_registered_schedule_is_planned_with_and_simulated() -> None:
+    # The cost model knows no formula for it (it estimates it like 1f1b); the simulator lowers the real order.
+    with reverse_gpipe_registered("test-reverse-gpipe"):
+        module, ctx = _planned("method=dp,schedule=test-reverse-gpipe")
+        PassManager(build_pipeline("schedule,lower-comm,insert-frees,verify")).run(module, ctx)
+    assert module.attrs.schedule == "test-reverse-gpipe"
+    chosen = next(line for line in ctx.reports["plan"] if line.endswith("CHOSEN"))
+    # model ms, sim ms, peak GB: the chosen plan was simulated under the registered schedule.
+    assert re.search(r"test-reverse-gpipe +[0-9.]+ +[0-9.]+ +[0-9.]+ +CHOSEN$", chosen), chosen
+    backwards = [i.mb for i in module.programs[0].instrs if i.kind is InstrKind.BACKWARD]
+    assert backwards == sorted(backwards, reverse=True)
+
+
+def test_compile_schedule_accepts_exactly_the_registered_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    plugin = tmp_path / "my_schedule.py"
+    plugin.write_text(
+        "from dapple_ir.schedules import one_f_one_b, register_schedule\n"
+        "register_schedule('test-plugin-1f1b')(one_f_one_b)\n"
+    )
+    common = [f"profile:{VGG19}", "--cluster", "2x8xV100-16GB", "--global-batch", "256", "--profile-batch", "32"]
+    assert main(["compile", *common, "--schedule", "test-plugin-1f1b", "-o", str(tmp_path / "no")]) == 2
+    assert "--schedule must be one of the registered schedules (gpipe, 1f1b, zb-h1, interleaved)" in (
+        capsys.readouterr().err
+    )
+    try:
+        args = ["--pass-plugin", str(plugin), "--schedule", "test-plugin-1f1b", "--planner", "dp"]
+        assert main(["compile", *common, *args, "-o", str(tmp_path / "plan")]) == 0
+    finally:
+        del schedules.SCHEDULES["test-plugin-1f1b"]
+    assert 'schedule = "test-plugin-1f1b"' in (tmp_path / "plan" / "plan.dapple").read_text()

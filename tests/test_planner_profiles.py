@@ -1,4 +1,4 @@
-"""On every shared profile and the example models, for DAPPLE's 2x8 and 16x1 V100 clusters, the
+"""On every published profile (examples/profiles) and the example models, for DAPPLE's 2x8 and 16x1 V100 clusters, the
 plan's simulated iteration time is no worse than any baseline's that fits (same simulator)."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dapple_ir.cluster.spec import resolve_cluster
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.passes.plan import lower_and_simulate
 from dapple_ir.planner.baselines import all_baselines
 from dapple_ir.planner.cost_model import problem_from_module
-from dapple_ir.planner.search import Request, lower_and_simulate, search
+from dapple_ir.planner.search import Request, search
 from dapple_ir.registry import PassContext
 from tests.paths import PROFILE_FILES
 
@@ -29,7 +30,7 @@ def _check_beats_baselines(module: Module, cluster_name: str, global_batch: int)
     module.attrs.optimizer = "adam"
     PassManager(build_pipeline("coarsen{max-layers=20}")).run(module)
     problem = problem_from_module(module, cluster, global_batch)
-    outcome = search(module, problem, Request(method="dp"))
+    outcome = search(problem, Request(method="dp"), lambda cand: lower_and_simulate(module, problem, cand))
     ours = outcome.chosen.simulated_s
     assert ours is not None, outcome.chosen.note
     checked = 0
@@ -61,6 +62,6 @@ def test_example_plan_is_no_worse_than_any_baseline(spec: str, cluster: str) -> 
 
 @functools.cache
 def _captured(spec: str) -> Module:
-    from dapple_ir.frontend.model_spec import capture_spec
+    from dapple_ir.frontend.spec_loader import capture_spec
 
     return capture_spec(spec, device="meta")

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dapple_ir.backends.torch.codegen import emit_rank_programs
 from dapple_ir.backends.torch.launch import ATOL, RTOL, run
 from dapple_ir.backends.torch.reference import train_reference
-
-from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import Stage, StageAttrs
 from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.structure import structure_hash
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.sim.timeline import read_trace
+from dapple_ir.sim.trace import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = f"{ROOT}/examples/mlp.py:factory"

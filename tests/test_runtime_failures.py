@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport, TransportError
-
 from dapple_ir.errors import DappleError, RuntimeFailure
 from tests.test_runtime import MLP, make_plan
 

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dapple_ir.backends.torch.launch import run
 
+from dapple_ir.backends.torch.launch import run
 from dapple_ir.errors import RuntimeFailure
 from tests.test_runtime import GPT, make_plan
 from tests.test_runtime_failures import EXPLODING

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dapple_ir.backends.torch.runtime import _capture, _weight_split
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
+
+from dapple_ir.backends.torch.runtime import _capture, _weight_split
 
 torch.manual_seed(0)
 

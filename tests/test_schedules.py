@@ -14,7 +14,7 @@ from dapple_ir.errors import DappleError
 from dapple_ir.ir import InstrKind, Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.schedules import ScheduleRequest, Work
-from tests.pipeline_fixtures import chain_module
+from tests.pipeline_fixtures import chain_module, reverse_gpipe_registered
 
 _SHORT = {
     InstrKind.FORWARD: "F",
@@ -106,18 +106,8 @@ def test_schedule_sets_the_microbatch_size_from_the_global_batch() -> None:
 
 
 def test_a_registered_schedule_is_usable_by_name() -> None:
-    @schedules.register_schedule("reverse-gpipe")
-    def reverse_gpipe(request: ScheduleRequest) -> dict[int, list[Work]]:
-        mbs = range(request.microbatches)
-        return {
-            s: [Work(InstrKind.FORWARD, s, m) for m in mbs] + [Work(InstrKind.BACKWARD, s, m) for m in reversed(mbs)]
-            for s in range(request.stages)
-        }
-
-    try:
+    with reverse_gpipe_registered("reverse-gpipe"):
         module = _run(chain_module([1, 1]), "schedule{kind=reverse-gpipe,microbatches=3},lower-comm,verify")
-    finally:
-        del schedules.SCHEDULES["reverse-gpipe"]
     assert _compute_text(module, 1) == "F0 F1 F2 B2 B1 B0"
     assert module.attrs.schedule == "reverse-gpipe"
 

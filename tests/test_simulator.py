@@ -403,7 +403,7 @@ def test_simulator_imports_neither_torch_nor_matplotlib() -> None:
     import sys
 
     code = (
-        "import sys, dapple_ir.sim.simulator, dapple_ir.sim.timeline, dapple_ir.commands.simulate; "
+        "import sys, dapple_ir.sim.simulator, dapple_ir.sim.trace, dapple_ir.sim.drawing, dapple_ir.commands.simulate; "
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -10,21 +10,14 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
-from dapple_ir.ir import InstrKind
+from dapple_ir.ir import COMPUTE_KINDS, InstrKind
 from dapple_ir.ir.printer import print_module
+from dapple_ir.sim.drawing import draw_timeline, figure_size
 from dapple_ir.sim.simulator import simulate
-from dapple_ir.sim.timeline import (
-    Timeline,
-    draw_timeline,
-    figure_size,
-    from_simulation,
-    overlay,
-    read_trace,
-    write_trace,
-)
+from dapple_ir.sim.trace import Timeline, from_simulation, overlay, read_trace, write_trace
 from tests.test_simulator import schedule_module, small_cluster
 
-COMPUTE = {InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT}
+COMPUTE = COMPUTE_KINDS
 
 
 def simulated_timeline(kind: str = "1f1b", stages: int = 2, microbatches: int = 4) -> tuple[Timeline, object]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from dapple_ir.backends.torch.launch import free_port
 from dapple_ir.backends.torch.transport import DistTransport
-
 from dapple_ir.errors import DappleError
 
 pytestmark = pytest.mark.slow

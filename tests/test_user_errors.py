@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from dapple_ir.cli import main
+from tests.paths import PROFILES, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-PROFILES = ROOT.parent / "shared" / "profiles"
 BERT = PROFILES / "dapple-bert-48-pbs-2.txt"
 
 UNCAPTURABLE = """

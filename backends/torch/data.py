@@ -16,10 +16,14 @@ Microbatch `m` of size `b` is rows `m*b .. (m+1)*b` of every tensor.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from dapple_ir.errors import DappleError
+from dapple_ir.frontend.model_spec import _resolve_factory
 
 DataFn = Callable[[int, int, int], tuple[tuple[Any, ...], tuple[Any, ...]]]
 
@@ -50,10 +54,6 @@ def _like(example: Any, rows: int, gen: torch.Generator) -> Any:
 
 def data_function(spec: str) -> DataFn | None:
     """`dapple_data` defined next to the factory of `spec`, if any."""
-    import sys
-
-    from dapple_ir.frontend.model_spec import _resolve_factory
-
     factory = _resolve_factory(spec)
     module = sys.modules.get(getattr(factory, "__module__", ""))
     fn = getattr(module, "dapple_data", None) if module is not None else None
@@ -67,8 +67,6 @@ def microbatch(values: tuple[Any, ...], mb: int, size: int) -> tuple[Any, ...]:
 
 def check_batch(inputs: tuple[Any, ...], targets: tuple[Any, ...], global_batch: int, where: str) -> None:
     """Every tensor of a provided batch must have `global_batch` rows."""
-    from dapple_ir.errors import DappleError
-
     for i, v in enumerate((*inputs, *targets)):
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] != global_batch:
             raise DappleError(

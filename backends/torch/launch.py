@@ -24,12 +24,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from dapple_ir.backends.torch.plan_files import Plan, load_plan
+import torch.distributed
+
+from dapple_ir import plan_dir
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
 from dapple_ir.backends.torch.worker import (
     RunOptions,
@@ -42,12 +44,12 @@ from dapple_ir.backends.torch.worker import (
     train_rank,
     worker_flags,
 )
-
 from dapple_ir.errors import DappleError, RuntimeFailure
+from dapple_ir.plan_dir import Plan, load_plan
+from dapple_ir.sim.trace import MemorySample, Span, Timeline, write_trace
 
 #: fp32 tolerances of PyTorch's own pipelining tests.
 RTOL, ATOL = 1e-5, 4e-5
-TIMELINE_FILE = "timeline_measured.json"
 
 
 @dataclass
@@ -212,8 +214,6 @@ def free_port() -> int:
 
 def _check_torchrun_can_start(rdzv_endpoint: str | None, node_rank: int) -> None:
     """Refuse, before any process starts, a launch that could only fail or hang."""
-    import torch.distributed
-
     if not torch.distributed.is_available():
         raise DappleError(
             f"this torch build ({torch.__version__}) has no torch.distributed, so torchrun cannot start "
@@ -373,33 +373,21 @@ def _step_windows(reports: dict[int, dict[str, Any]]) -> dict[int, tuple[float, 
 
 def _write_timeline(plan: Plan, reports: dict[int, dict[str, Any]], windows: dict[int, tuple[float, float]]) -> Path:
     """The last step's spans and memory on every rank, in the simulator's trace format."""
-    from dapple_ir.sim.timeline import MemorySample, Span, Timeline, write_trace
 
     start, end = windows[max(windows)]
     spans, memory = [], []
     for rank, report in sorted(reports.items()):
         for s in report["spans"]:
-            if start <= s["start"] <= end:
-                spans.append(
-                    Span(
-                        rank,
-                        s["track"],
-                        s["kind"],
-                        s["start"] - start,
-                        s["end"] - start,
-                        s["stage"],
-                        s["mb"],
-                        s["peer"],
-                        s["index"],
-                    )
-                )
+            span = Span(**s)
+            if start <= span.start_s <= end:
+                spans.append(replace(span, start_s=span.start_s - start, end_s=span.end_s - start))
         memory += [MemorySample(rank, t - start, float(b)) for t, b in report["memory"] if start <= t <= end]
     labels = [f"rank {r} · {','.join(reports[r]['stages'])}" for r in sorted(reports)]
     metadata = {"module": plan.module.name, "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size}
     if plan.module.attrs.schedule:
         metadata["schedule"] = plan.module.attrs.schedule
     timeline = Timeline(plan.ranks, spans, memory, "measured", end - start, labels, metadata)
-    path = plan.dir / TIMELINE_FILE
+    path = plan.dir / plan_dir.TIMELINE_MEASURED
     write_trace(timeline, path)
     return path
 

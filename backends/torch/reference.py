@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from dapple_ir.backends.torch.data import check_batch, data_function, microbatch, synthetic_batch
 from dapple_ir.backends.torch.runtime import make_optimizer
-
 from dapple_ir.errors import DappleError
+from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
 
 
 @dataclass
@@ -36,8 +37,6 @@ def train_reference(
     lr: float,
 ) -> ReferenceResult:
     """Train `spec`'s model for `steps` steps on one CPU device, microbatched like the plan."""
-    from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
-
     loaded = load_model_spec(spec, device="cpu", seed=seed)
     if not isinstance(loaded, FactoryResult):
         raise DappleError(f"model spec {spec} is an imported profile: there is no model to train")

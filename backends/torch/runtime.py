@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, Node
+
 from dapple_ir.backends.torch.data import microbatch
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.transport import Pending, Transport, TransportError
-from torch.autograd.graph import GradientEdge, Node
-
 from dapple_ir.errors import DappleError
+from dapple_ir.sim.trace import COMM_TRACK, COMPUTE_TRACK, Span
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 #: Learning rate when neither the command line nor plan.json gives one (torch's own defaults; SGD has none).
@@ -67,20 +68,6 @@ class _WeightPass:
     roots: list[Any]
     grads: list[torch.Tensor | None]
     params: list[torch.Tensor]
-
-
-@dataclass
-class Span:
-    """A measured instruction (absolute wall-clock seconds; the launcher rebases them)."""
-
-    kind: str
-    track: str
-    start: float
-    end: float
-    stage: str | None
-    mb: int | None
-    peer: int | None
-    index: int
 
 
 @dataclass
@@ -342,8 +329,9 @@ class Runtime:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         end = time.time()
-        track = "comm" if kind in ("send", "recv", "allreduce") else "compute"
-        self.spans.append(Span(kind, track, start, end, stage, mb, peer, index))
+        track = COMM_TRACK if kind in ("send", "recv", "allreduce") else COMPUTE_TRACK
+        # Absolute wall-clock seconds; the launcher rebases them to the step's start.
+        self.spans.append(Span(self.rank, track, kind, start, end, stage, mb, peer, index))
         if self.device.type == "cuda":
             # The allocator's peak is read once per step (run_step); here only the curve for the timeline.
             self.memory.append((end, torch.cuda.memory_allocated(self.device)))

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from dapple_ir.errors import DappleError
 
@@ -217,9 +218,6 @@ class DistTransport:
     """
 
     def __init__(self, groups: list[tuple[int, ...]], device: torch.device) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = device
@@ -244,7 +242,7 @@ class DistTransport:
                         f"{list(body.shape)}, but earlier as {known[0]} of shape {list(known[1])}: a value crossing "
                         "stages must keep its shape and dtype from step to step (static shapes)"
                     )
-                return _DistPending([self.dist.isend(body, peer, tag=tag)], [body], what)
+                return _DistPending([dist.isend(body, peer, tag=tag)], [body], what)
             if body.dim() > _MAX_DIMS:
                 raise DappleError(f"cannot send a tensor of {body.dim()} dimensions (at most {_MAX_DIMS})")
             head = [tag, _KIND_TENSOR, _DTYPES.index(body.dtype), body.dim(), *body.shape]
@@ -259,7 +257,7 @@ class DistTransport:
             body = torch.tensor(list(data), dtype=torch.uint8, device=self.device)
             head = [tag, _KIND_JSON, _DTYPES.index(torch.uint8), 1, len(data)]
         header = torch.tensor(head + [0] * (_HEADER_LEN - len(head)), dtype=torch.int64).to(self.device)
-        works = [self.dist.isend(header, peer, tag=tag), self.dist.isend(body, peer, tag=tag)]
+        works = [dist.isend(header, peer, tag=tag), dist.isend(body, peer, tag=tag)]
         return _DistPending(works, [header, body], what)
 
     def recv(self, peer: int, tag: int, timeout: float) -> Any:
@@ -267,10 +265,10 @@ class DistTransport:
         known = self.received.get((peer, tag))
         if known is not None:
             body = torch.empty(known[1], dtype=known[0], device=self.device)
-            _wait(self.dist.irecv(body, peer, tag=tag), timeout, what)
+            _wait(dist.irecv(body, peer, tag=tag), timeout, what)
             return body
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        _wait(self.dist.irecv(header, peer, tag=tag), timeout, what)
+        _wait(dist.irecv(header, peer, tag=tag), timeout, what)
         head = header.cpu().tolist()
         if head[0] != tag:
             raise DappleError(
@@ -279,7 +277,7 @@ class DistTransport:
             )
         kind, dtype, ndim = head[1], _DTYPES[head[2]], head[3]
         body = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=self.device)
-        _wait(self.dist.irecv(body, peer, tag=tag), timeout, what)
+        _wait(dist.irecv(body, peer, tag=tag), timeout, what)
         if kind == _KIND_TENSOR:
             self.received[(peer, tag)] = (dtype, tuple(head[4 : 4 + ndim]))
             return body
@@ -288,14 +286,14 @@ class DistTransport:
     def allreduce(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
         if len(group) < 2:
             return
-        work = self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
         _wait(work, timeout, f"on rank {self.rank} in allreduce over ranks {list(group)}")
 
     def finish(self, timeout: float) -> None:
         """Wait (bounded) until every rank is done, so nobody tears down while a peer still receives."""
-        work = self.dist.all_reduce(torch.zeros(1, device=self.device), async_op=True)
+        work = dist.all_reduce(torch.zeros(1, device=self.device), async_op=True)
         _wait(work, timeout, f"on rank {self.rank} waiting for the other ranks to finish")
 
     def close(self) -> None:
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import os
 import sys
@@ -21,15 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
 from dapple_ir.backends.torch.codegen import rank_sources
 from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
-from dapple_ir.backends.torch.plan_files import Plan, load_plan
 from dapple_ir.backends.torch.runtime import DEFAULT_LR, OPTIMIZERS, Runtime, StepData
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
-from dapple_ir.backends.torch.transport import Transport, TransportError
-
+from dapple_ir.backends.torch.transport import DistTransport, Transport, TransportError
 from dapple_ir.errors import DappleError
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import InstrKind, Module, OpKind
+from dapple_ir.ir.structure import structure_hash
+from dapple_ir.plan_dir import Plan, load_plan, rank_file
 
 
 @dataclass
@@ -95,8 +99,6 @@ def prepare_model(plan: Plan) -> Prepared:
 
 
 def _prepare(plan: Plan, method: str) -> Prepared:
-    from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec, structure_hash
-
     loaded = load_model_spec(plan.model_spec, device="cpu", seed=plan.seed)
     if not isinstance(loaded, FactoryResult):
         raise DappleError(f"model spec {plan.model_spec} is an imported profile: it can be planned, not run")
@@ -179,7 +181,7 @@ def build_runtime(
 
 def check_rank_file(plan: Plan, rank: int) -> str:
     """The source of `rank_<r>.py`, which must be exactly what codegen makes of plan.dapple."""
-    path = plan.dir / f"rank_{rank}.py"
+    path = plan.dir / rank_file(rank)
     expected = rank_sources(plan.module, plan.ir_sha256)[rank]
     if not path.is_file():
         raise DappleError(f"rank {rank}: {path} is missing; recompile the plan (or re-emit the rank files)")
@@ -195,7 +197,7 @@ def rank_train_step(plan: Plan, rank: int) -> Callable[[Runtime], None]:
     """`train_step` of `rank_<r>.py`; only a file identical to what codegen writes is ever run."""
     source = check_rank_file(plan, rank)
     namespace: dict[str, Any] = {"__name__": f"dapple_rank_{rank}"}
-    exec(compile(source, str(plan.dir / f"rank_{rank}.py"), "exec"), namespace)
+    exec(compile(source, str(plan.dir / rank_file(rank)), "exec"), namespace)
     return namespace["train_step"]  # type: ignore[no-any-return]
 
 
@@ -323,11 +325,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_torchrun_rank(plan_dir: str, rank: int, options: RunOptions) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    import datetime
-
-    import torch.distributed as dist
-    from dapple_ir.backends.torch.transport import DistTransport
-
     plan = load_plan(plan_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.ranks:

@@ -12,12 +12,11 @@ import itertools
 from collections import Counter, deque
 
 from dapple_ir.analysis.peak_memory import Sizes, program_peak
-from dapple_ir.cluster.spec import ClusterSpec, resolve_cluster
+from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.ir.printer import Namer, format_instr
-
-_COMPUTE = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
 
 
 def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) -> None:
@@ -54,7 +53,7 @@ def check_compute_order(module: Module) -> None:
     done: dict[tuple[Stage, int], list[InstrKind]] = {}
     for index, program in enumerate(module.programs):
         for i, instr in enumerate(program.instrs):
-            if instr.kind not in _COMPUTE or instr.stage is None or instr.mb is None:
+            if instr.kind not in COMPUTE_KINDS or instr.stage is None or instr.mb is None:
                 continue
             stage, mb = instr.stage, instr.mb
             expected = owner.get((stage.name, mb % stage.replicas))
@@ -224,7 +223,7 @@ def check_frees(module: Module) -> None:
                     raise VerifyError(f"verify: {where} frees what is not live (never made, or freed twice)")
                 live.remove(key)
                 freed.setdefault(instr.mb, []).append((key, i))
-            if instr.kind not in _COMPUTE or instr.stage is None:
+            if instr.kind not in COMPUTE_KINDS or instr.stage is None:
                 continue
             for (kind, what, _mb), at in freed.get(instr.mb, []):
                 if (kind, what) in touches[instr.stage]:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import Module, Op, OpKind, Stage, TensorType, TupleType, Type
+from dapple_ir.ir import FLOAT_DTYPES, Module, Op, OpKind, Stage, TensorType, TupleType, Type
 
-_FLOAT = {"f64", "f32", "f16", "bf16", "c64"}
 _LOCAL = (OpKind.INPUT, OpKind.GET_ATTR)
 
 
@@ -62,7 +61,7 @@ def values_needing_grad(module: Module) -> set[Op]:
 
 def _is_float(t: Type) -> bool:
     if isinstance(t, TensorType):
-        return t.dtype in _FLOAT
+        return t.dtype in FLOAT_DTYPES
     if isinstance(t, TupleType):
         return any(_is_float(e) for e in t.elements)
     return False

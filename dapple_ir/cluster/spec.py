@@ -1,7 +1,8 @@
 """Cluster specs: nodes of devices, their speed and memory, and the links between them.
 
-A spec comes from a shorthand (`2x8xV100-16GB`: 2 nodes of 8 V100s) or a TOML file. Device ids are
-global and node-major: device d sits on node d // devices_per_node (for homogeneous clusters).
+A spec comes from a shorthand (`2x8xV100-16GB`: 2 nodes of 8 V100s, `parse_shorthand`) or a TOML file
+(`dapple_ir.cluster.toml_file`, whose `resolve_cluster` takes either). Device ids are global and
+node-major: device d sits on node d // devices_per_node (for homogeneous clusters).
 """
 
 from __future__ import annotations
@@ -156,12 +157,3 @@ def parse_shorthand(text: str) -> ClusterSpec:
         raise ClusterError(f"cluster '{text}': nodes and devices per node must be at least 1")
     intra, inter = DEFAULT_LINKS[kind]
     return ClusterSpec((PRESETS[kind],) * nodes, per_node, intra, inter, name=text)
-
-
-def resolve_cluster(text: str) -> ClusterSpec:
-    """A cluster from a shorthand or a TOML file path."""
-    if text.endswith(".toml"):
-        from dapple_ir.cluster.toml_file import load_cluster_toml
-
-        return load_cluster_toml(text)
-    return parse_shorthand(text)

@@ -1,4 +1,5 @@
-"""Cluster specs from TOML files (`--cluster cluster.toml`).
+"""Cluster specs from TOML files (`--cluster cluster.toml`), and `resolve_cluster`, which reads a
+`--cluster` value: a TOML file path or a shorthand.
 
 All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `16e9` as a float.
 
@@ -35,7 +36,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind, Link, parse_shorthand
 from dapple_ir.errors import ClusterError
 
 _TOP_KEYS = {"name", "nodes", "devices_per_node", "device", "node_devices", "device_kinds", "links", "efficiency"}
@@ -72,6 +73,13 @@ class _Reader:
         if not isinstance(value, dict):
             raise self.error(field, f"must be a table, not {value!r}")
         return value
+
+
+def resolve_cluster(text: str) -> ClusterSpec:
+    """A cluster from a shorthand (`2x8xV100-16GB`) or a TOML file path (ending in `.toml`)."""
+    if text.endswith(".toml"):
+        return load_cluster_toml(text)
+    return parse_shorthand(text)
 
 
 def load_cluster_toml(path: str) -> ClusterSpec:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dapple_ir import schedules
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
-from dapple_ir.planner.cost_model import POLICIES, SCHEDULES
+from dapple_ir.planner.cost_model import POLICIES
+from dapple_ir.planner.search import METHODS
 
 _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
@@ -31,10 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per optimizer step")
     p.add_argument("-o", "--output", required=True, metavar="PLAN_DIR", help="plan directory to write (atomically)")
-    p.add_argument("--planner", choices=("auto", "dp", "ilp"), default="auto", help="search method (default auto)")
+    p.add_argument("--planner", choices=METHODS, default="auto", help="search method (default auto)")
     p.add_argument("--stages", type=int, metavar="N", help="force the number of pipeline stages")
     p.add_argument("--microbatches", type=int, metavar="M", help="force the number of microbatches")
-    p.add_argument("--schedule", choices=SCHEDULES, help="force the schedule")
+    # Not `choices=`: a --pass-plugin file may register more schedules, and it loads after parsing.
+    p.add_argument(
+        "--schedule",
+        metavar="NAME",
+        help=f"force the schedule: {', '.join(schedules.SCHEDULES)} or one a --pass-plugin registers",
+    )
     p.add_argument("--policy", choices=POLICIES, help="force the device placement policy")
     p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
@@ -50,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.cluster:
         raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
     manager = pass_manager_options(args)
+    if args.schedule is not None and args.schedule not in schedules.SCHEDULES:
+        raise DappleError(
+            f"--schedule must be one of the registered schedules ({', '.join(schedules.SCHEDULES)}), "
+            f"not '{args.schedule}'"
+        )
     result = compile_plan(
         args.model_spec,
         cluster=args.cluster,

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dapple_ir.frontend.spec_loader import capture_spec
 from dapple_ir.ir import Module, Op, OpKind
 from dapple_ir.ir.printer import print_module
 from dapple_ir.units import format_bytes, format_count, format_seconds
@@ -15,7 +16,7 @@ _EPILOG = """examples:
   dapple dump examples/gpt.py:factory
   dapple dump examples/gpt.py:factory_large --summary
   dapple dump examples/control_flow.py:factory --method export -o control_flow.dapple
-  dapple dump profile:../shared/profiles/pipedream-vgg16.txt --profile-batch 64 --summary
+  dapple dump profile:examples/profiles/pipedream-vgg16.txt --profile-batch 64 --summary
 """
 
 
@@ -46,16 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple_ir.frontend.model_spec import capture_loaded, load_model_spec
-
-    loaded = load_model_spec(args.model_spec, device=args.device, profile_batch=args.profile_batch)
-    if isinstance(loaded, Module):
-        module = loaded
-    else:
-        captured = capture_loaded(loaded, method=args.method)
-        for note in captured.notes:
-            print(f"note: {note}", file=sys.stderr)
-        module = captured.module
+    notes: list[str] = []
+    module = capture_spec(
+        args.model_spec, method=args.method, device=args.device, profile_batch=args.profile_batch, notes=notes
+    )
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     text = summary_table(module) if args.summary else print_module(module)
     if args.output:
         Path(args.output).write_text(text)

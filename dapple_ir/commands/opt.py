@@ -11,7 +11,8 @@ from dapple_ir.errors import DappleError
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.registry import PassContext, load_plugin
+from dapple_ir.plugins import load_plugin
+from dapple_ir.registry import PassContext
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 import inspect
 
-from dapple_ir.registry import all_passes, load_plugin, option_name
+from dapple_ir.plugins import all_passes, load_plugin
+from dapple_ir.registry import Pass, option_name, option_text, type_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -28,14 +29,19 @@ def describe_passes() -> str:
     for name, cls in all_passes().items():
         lines.append(f"{name}  —  {cls.summary()}")
         for f in cls.options():
-            default = "" if f.default is dataclasses.MISSING else f" (default: {f.default})"
+            default = "" if f.default is dataclasses.MISSING else f" (default: {_default(f)})"
             doc = f"  {f.metadata['doc']}" if "doc" in f.metadata else ""
-            lines.append(f"    {option_name(f.name)}: {_kind(f)}{default}{doc}")
+            lines.append(f"    {option_name(f.name)}: {_kind(cls, f)}{default}{doc}")
     return "\n".join(lines)
 
 
-def _kind(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
-    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def _kind(cls: type[Pass], f: dataclasses.Field) -> str:  # type: ignore[type-arg]
+    return type_text(cls.option_type(f.name))
+
+
+def _default(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
+    """The default as a pipeline string writes it (`auto` for None), but `True`, not `true`."""
+    return str(f.default) if isinstance(f.default, bool) else option_text(f.default)
 
 
 def passes_markdown() -> str:
@@ -54,8 +60,9 @@ def passes_markdown() -> str:
         if cls.options():
             out += ["", "| option | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in cls.options():
-            default = "—" if f.default is dataclasses.MISSING else f"`{f.default}`"
-            out.append(f"| `{option_name(f.name)}` | {_kind(f)} | {default} | {f.metadata.get('doc', '')} |")
+            default = "—" if f.default is dataclasses.MISSING else f"`{_default(f)}`"
+            kind = _kind(cls, f).replace("|", "\\|")  # a bare | would end the table cell
+            out.append(f"| `{option_name(f.name)}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
     return "\n".join(out) + "\n"
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dapple_ir import plan_dir
 from dapple_ir.errors import DappleError
 
 
@@ -47,8 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple_ir.sim.drawing import draw_timeline
     from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, simulate
-    from dapple_ir.sim.timeline import draw_timeline, from_simulation, overlay, read_trace, write_trace
+    from dapple_ir.sim.trace import from_simulation, overlay, read_trace, write_trace
 
     plan = Path(args.plan)
     if not plan.exists():
@@ -65,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if result.cluster_name == "ideal":
         print("note: no cluster given or named by the plan; communication is free (give --cluster)", file=sys.stderr)
     timeline = from_simulation(result)
-    write_trace(timeline, out / "timeline.json")
-    print(f"wrote {out / 'timeline.json'} (open in https://ui.perfetto.dev)")
+    write_trace(timeline, out / plan_dir.TIMELINE)
+    print(f"wrote {out / plan_dir.TIMELINE} (open in https://ui.perfetto.dev)")
     if not args.no_picture:
-        draw_timeline(timeline, out / "timeline.png")
-        print(f"wrote {out / 'timeline.png'}")
+        draw_timeline(timeline, out / plan_dir.TIMELINE_PICTURE)
+        print(f"wrote {out / plan_dir.TIMELINE_PICTURE}")
     if args.compare:
         measured = read_trace(args.compare)
         ratio = measured.iteration_s / result.iteration_s if result.iteration_s else float("nan")
@@ -77,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
             f"predicted iteration {result.iteration_s:.6g} s, measured {measured.iteration_s:.6g} s "
             f"(measured / predicted = {ratio:.3f})"
         )
-        draw_timeline(overlay(timeline, measured), out / "timeline-compare.png")
-        print(f"wrote {out / 'timeline-compare.png'}")
+        draw_timeline(overlay(timeline, measured), out / plan_dir.TIMELINE_COMPARE)
+        print(f"wrote {out / plan_dir.TIMELINE_COMPARE}")
     return 0

@@ -26,29 +26,18 @@ keeps no cost attributes (and is named in the returned list) rather than failing
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+import torch.fx
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from dapple_ir.frontend.dtypes import TORCH_DTYPE_OF
 from dapple_ir.ir import Module, Op, TensorType
-
-if TYPE_CHECKING:
-    import torch
-
-#: IR dtype names to torch dtype attribute names.
-_TORCH_DTYPES = {
-    "f64": "float64",
-    "f32": "float32",
-    "f16": "float16",
-    "bf16": "bfloat16",
-    "i64": "int64",
-    "i32": "int32",
-    "i16": "int16",
-    "i8": "int8",
-    "u8": "uint8",
-    "bool": "bool",
-    "c64": "complex64",
-}
 
 #: ATen op name fragments that decide an op's efficiency class, most specific first.
 _CLASS_OF_ATEN = (
@@ -78,14 +67,10 @@ def annotate_flops(captured: Any) -> list[str]:
 
 
 def _meta_tensor(t: TensorType) -> torch.Tensor:
-    import torch
-
-    return torch.empty(t.shape, dtype=getattr(torch, _TORCH_DTYPES[t.dtype]), device="meta")
+    return torch.empty(t.shape, dtype=TORCH_DTYPE_OF[t.dtype], device="meta")
 
 
 def _to_meta(value: Any) -> Any:
-    import torch
-
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     return value
@@ -94,7 +79,7 @@ def _to_meta(value: Any) -> Any:
 def _placeholder_value(node: Any, position: int, inputs: list[Op]) -> Any:
     val = node.meta.get("val")
     if val is not None:
-        return _tree_map(_to_meta, val)
+        return tree_map(_to_meta, val)
     t = inputs[position].type if position < len(inputs) else None
     if isinstance(t, TensorType):
         return _meta_tensor(t)
@@ -105,22 +90,11 @@ def _fallback_value(node: Any) -> Any:
     val = node.meta.get("val")
     if val is None and "tensor_meta" in node.meta:
         tm = node.meta["tensor_meta"]
-        import torch
-
         return torch.empty(tm.shape, dtype=tm.dtype, device="meta") if hasattr(tm, "shape") else None
-    return _tree_map(_to_meta, val)
-
-
-def _tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(fn, value)
+    return tree_map(_to_meta, val)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -129,8 +103,6 @@ def _nbytes(tensors: list[torch.Tensor]) -> float:
 
 
 def _is_node(value: Any) -> bool:
-    import torch.fx
-
     return isinstance(value, torch.fx.Node)
 
 
@@ -260,8 +232,6 @@ class _Replay:
 
     def signature(self, node: Any) -> Any:
         """A hashable key that equal nodes share: callee, input shapes and constants (None: do not reuse)."""
-        from torch.utils._pytree import tree_flatten
-
         parts: list[Any] = [node.op]
         if node.op == "call_module":
             sub = self.gm.get_submodule(node.target)
@@ -301,16 +271,11 @@ class _Replay:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
-            from torch.func import functional_call
-
             return functional_call(self.gm.get_submodule(node.target), params, tuple(args), kwargs)
         raise ValueError(f"node kind {node.op} is not replayed")
 
     def measure_fresh(self, node: Any) -> _Measured:
         """Forward (counted, saved tensors recorded) then backward (counted) of one node."""
-        import torch
-        from torch.utils.flop_counter import FlopCounterMode
-
         leaves: list[torch.Tensor] = []
         positions: dict[int, int] = {}  # storage of a cloned input -> its position among the tensor inputs
         weights: set[int] = set()  # storages of parameters and buffers: never activations
@@ -343,9 +308,9 @@ class _Replay:
                 # A parameter read through get_attr (export graphs) is a weight, never an activation.
                 return prepare(t, None if sources[position] is None else position)
 
-            return _tree_map(one, self.env[n])
+            return tree_map(one, self.env[n])
 
-        args, kwargs = _tree_map(from_node, (node.args, node.kwargs))
+        args, kwargs = tree_map(from_node, (node.args, node.kwargs))
         params = {k: prepare(v, None) for k, v in self.node_params(node).items()}
         saved: list[torch.Tensor] = []
 
@@ -354,7 +319,7 @@ class _Replay:
             return t
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        data = _data_movement_mode()
+        data = _DataMovement()
         with torch.enable_grad(), hooks, FlopCounterMode(display=False) as forward_counter, data:
             out = self.call(node, args, kwargs, params)
         fwd_flops = float(forward_counter.get_total_flops())
@@ -382,29 +347,20 @@ class _Replay:
         )
 
 
-def _data_movement_mode() -> Any:
+class _DataMovement(TorchDispatchMode):
     """A dispatch mode whose `moves_data` says whether any ATen op other than a view ran under it."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    metadata_only = {torch.ops.aten._unsafe_view.default}
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves_data = False
 
-    class DataMovement(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.moves_data = False
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view and func not in metadata_only:
-                self.moves_data = True
-            return func(*args, **(kwargs or {}))
-
-    return DataMovement()
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.moves_data = True
+        return func(*args, **(kwargs or {}))
 
 
 def _flat(value: Any) -> list[Any]:
-    from torch.utils._pytree import tree_leaves
-
     return list(tree_leaves(value))
 
 
@@ -434,24 +390,16 @@ def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _value_sig(value: Any) -> Any:
-    import torch
-
     return _tensor_sig(value) if isinstance(value, torch.Tensor) else ("value", repr(value))
 
 
 def _template(out: Any) -> tuple[list[Any], Any]:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
     leaves, spec = tree_flatten(out)
     return [_tensor_sig(v) if isinstance(v, torch.Tensor) else ("value", v) for v in leaves], spec
 
 
 def _rebuild(m: _Measured) -> Any:
     """Fresh meta tensors shaped like the measured output (detached: later nodes start from leaves)."""
-    import torch
-    from torch.utils._pytree import tree_unflatten
-
     values = [
         leaf[1] if leaf[0] == "value" else torch.empty_strided(leaf[0], leaf[1], dtype=leaf[2], device="meta")
         for leaf in m.out_leaves

@@ -11,7 +11,7 @@ and returns `(model, example_inputs)`, optionally followed by a loss function
 `example_inputs` is a tuple of positional tensors, or a dict of keyword arguments; a single tensor
 stands for a one-tuple. A model whose forward returns a scalar loss, or a dict with a `"loss"`
 entry, needs no loss function. `profile:path/graph.txt` names an imported per-layer profile
-instead of a model.
+instead of a model; `spec_loader.capture_spec` reads those without this module, which needs torch.
 
 Under `device="meta"` the factory runs inside `with torch.device("meta")`, so no weights take real
 memory; under `device="cpu"` it runs after `torch.manual_seed(seed)`, so that every process that
@@ -26,16 +26,14 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from dapple_ir.errors import CaptureError
-from dapple_ir.ir import Module, ModuleAttrs, Op, OpAttrs
-from dapple_ir.ir.printer import print_module
-
-if TYPE_CHECKING:
-    from dapple_ir.frontend.capture import Captured
-
-PROFILE_PREFIX = "profile:"
+from dapple_ir.frontend.capture import Captured, capture
+from dapple_ir.frontend.profile_import import import_profile_spec, is_profile_spec
+from dapple_ir.ir import Module
 
 
 @dataclass
@@ -60,15 +58,11 @@ def load_model_spec(
     spec: str, *, device: str = "cpu", seed: int = 0, profile_batch: int | None = None
 ) -> FactoryResult | Module:
     """Resolve `spec` and call its factory; a `profile:` spec returns the imported `Module`."""
-    if spec.startswith(PROFILE_PREFIX):
-        from dapple_ir.frontend.profile_import import import_profile
-
-        return import_profile(spec[len(PROFILE_PREFIX) :], profile_batch)
+    if is_profile_spec(spec):
+        return import_profile_spec(spec, profile_batch)
     if device not in ("cpu", "meta"):
         raise CaptureError(f"model spec {spec}: device must be 'cpu' or 'meta', not {device!r}")
     factory = _resolve_factory(spec)
-    import torch
-
     try:
         if device == "meta":
             with torch.device("meta"):
@@ -83,20 +77,8 @@ def load_model_spec(
     return _check_result(spec, result)
 
 
-def capture_spec(
-    spec: str, *, method: str = "auto", device: str = "meta", seed: int = 0, profile_batch: int | None = None
-) -> Module:
-    """The IR of the model a spec names: captured from its factory, or imported from a profile."""
-    loaded = load_model_spec(spec, device=device, seed=seed, profile_batch=profile_batch)
-    if isinstance(loaded, Module):
-        return loaded
-    return capture_loaded(loaded, method=method).module
-
-
 def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_costs: bool = True) -> Captured:
     """Capture what a factory returned (`capture` with the spec recorded as the source)."""
-    from dapple_ir.frontend.capture import capture
-
     return capture(
         loaded.model,
         loaded.example_inputs,
@@ -107,30 +89,6 @@ def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_cost
         source=loaded.source,
         annotate_costs=annotate_costs,
     )
-
-
-def structure_hash(module: Module) -> str:
-    """SHA-256 of the module's structure: its text with only the structural attributes kept.
-
-    A plan records it to check later that the model it runs is the one it was planned for. Kept:
-    ops, operands, types, targets, parameters (with buffer/shared), module paths, getitem indices,
-    the batch and the capture method. Left out: source locations and the spec text (moving the
-    checkout must not invalidate a plan) and costs (passes and calibration change those).
-    """
-    # A stripped copy: layers, stages and programs are the plan's, not the model's, so they are left out.
-    copies: dict[Op, Op] = {}
-    for op in module.ops:
-        attrs = OpAttrs(module_path=op.attrs.module_path, index=op.attrs.index, params=op.attrs.params)
-        operands = [copies[o] for o in op.operands if o in copies]
-        copies[op] = Op(op.name, op.kind, operands, op.type, op.target, attrs)
-    skeleton = Module(
-        module.name,
-        params=module.params,
-        ops=list(copies.values()),
-        attrs=ModuleAttrs(batch=module.attrs.batch, capture_method=module.attrs.capture_method),
-    )
-    text = print_module(skeleton)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------- resolve
@@ -197,8 +155,6 @@ _SHAPE_HINT = "a factory returns (model, example_inputs[, loss_fn[, example_targ
 
 
 def _check_result(spec: str, result: Any) -> FactoryResult:
-    import torch
-
     if not isinstance(result, tuple) or not 2 <= len(result) <= 4:
         got = f"a {len(result)}-tuple" if isinstance(result, tuple) else f"a {type(result).__name__}"
         raise CaptureError(f"model spec {spec}: the factory returned {got}; {_SHAPE_HINT}")

@@ -23,6 +23,8 @@ from pathlib import Path
 from dapple_ir.errors import CaptureError
 from dapple_ir.ir import Module, ModuleAttrs, Op, OpaqueType, OpAttrs, OpKind
 
+#: How a model spec names a profile instead of a model: `profile:path/graph.txt`.
+PROFILE_PREFIX = "profile:"
 #: Profile batch of files whose name does not say it (`...-pbs-32.txt` does): PipeDream's profiles.
 DEFAULT_PROFILE_BATCH = 64
 
@@ -45,6 +47,16 @@ def default_profile_batch(path: str | Path) -> int:
     """The batch a profile's times describe, from its file name (`pbs-N`), else PipeDream's 64."""
     match = _PBS.search(Path(path).name)
     return int(match.group(1)) if match else DEFAULT_PROFILE_BATCH
+
+
+def is_profile_spec(spec: str) -> bool:
+    """Whether a model spec names an imported profile (`profile:path`) rather than a factory."""
+    return spec.startswith(PROFILE_PREFIX)
+
+
+def import_profile_spec(spec: str, batch: int | None = None) -> Module:
+    """The module a `profile:path` spec names (`import_profile` of the path)."""
+    return import_profile(spec.removeprefix(PROFILE_PREFIX), batch)
 
 
 def import_profile(path: str, batch: int | None = None) -> Module:

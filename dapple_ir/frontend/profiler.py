@@ -24,8 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves, tree_map
+
 from dapple_ir.errors import DappleError
+from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
+from dapple_ir.frontend.profile_import import is_profile_spec
 from dapple_ir.ir import Module
+from dapple_ir.ir.structure import structure_hash
 
 FORMAT = "dapple-ir-profile"
 VERSION = 1
@@ -57,14 +64,9 @@ def profile_spec(
     `threads` sets torch's CPU threads first: on a busy machine one thread times far more steadily
     (idle OpenMP workers spin for cores that other processes hold).
     """
-    import torch
-
     if threads is not None:
         torch.set_num_threads(threads)
-
-    from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
-
-    if spec.startswith("profile:"):
+    if is_profile_spec(spec):
         raise DappleError(f"{spec} is an imported profile: it already has measured times and cannot be run")
     if repeats < 1 or warmup < 0:
         raise DappleError(f"profile: repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
@@ -87,17 +89,11 @@ def profile_spec(
 
 
 def cache_key(module: Module, device: str, repeats: int) -> str:
-    import torch
-
-    from dapple_ir.frontend.model_spec import structure_hash
-
     parts = [structure_hash(module), device, str(module.attrs.batch), str(repeats), torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
 def _torch_device(device: str) -> Any:
-    import torch
-
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DappleError(f"profile: device {device} was asked for but torch sees no CUDA device; use --device cpu")
     if device != "cpu" and not device.startswith("cuda"):
@@ -107,8 +103,6 @@ def _torch_device(device: str) -> Any:
 
 def _resize_examples(loaded: Any, microbatch: int) -> None:
     """Cut or tile every example tensor along dimension 0 to `microbatch` samples."""
-    import torch
-
     if microbatch < 1:
         raise DappleError(f"profile: microbatch must be at least 1, not {microbatch}")
 
@@ -128,12 +122,10 @@ def profile_captured(
     captured: Any, device: Any, *, repeats: int = 5, warmup: int = 2, progress: TextIO | None = None
 ) -> dict[str, Any]:
     """Time every node of `captured.graph_module` on `device` at the captured batch."""
-    import torch
-
     gm = captured.graph_module.to(device)
     module: Module = captured.module
     ops = {op.name: op for op in module.ops}
-    placeholders = _tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, captured.example_inputs)
+    placeholders = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, captured.example_inputs)
     inputs = iter(placeholders)
     timer = Timer(device, repeats, warmup)
     env: dict[Any, Any] = {}
@@ -168,7 +160,6 @@ def profile_captured(
 def _step_s(gm: Any, inputs: list[Any], timer: Timer) -> float:
     """One whole forward and backward of the graph, no op timed on its own: the level the op times
     (each measured apart, with its own call and synchronisation costs) are scaled to by `calibrate --fit`."""
-    import torch
 
     def step() -> None:
         outs = [t for t in _tensors(gm(*inputs)) if t.requires_grad]
@@ -194,23 +185,12 @@ def _entry(op: Any, fwd_s: float, bwd_s: float) -> dict[str, Any]:
 
 
 def _device_name(device: Any) -> str:
-    import torch
-
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return "cpu"
 
 
-def _tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(fn, value)
-
-
 def _tensors(value: Any) -> list[Any]:
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -229,10 +209,7 @@ def _call(gm: Any, node: Any, args: Any, kwargs: Any) -> Any:
 
 def _measure(gm: Any, node: Any, env: dict[Any, Any], timer: Timer) -> tuple[Any, float, float]:
     """The node's output (first real run) and its forward and backward seconds."""
-    import torch
-    import torch.fx
-
-    args, kwargs = _tree_map(lambda n: env[n] if isinstance(n, torch.fx.Node) else n, (node.args, node.kwargs))
+    args, kwargs = tree_map(lambda n: env[n] if isinstance(n, torch.fx.Node) else n, (node.args, node.kwargs))
     with torch.no_grad():
         out = _call(gm, node, args, kwargs)
         fwd_s = timer.time(lambda: _call(gm, node, args, kwargs)) if node.op != "get_attr" else 0.0
@@ -240,8 +217,6 @@ def _measure(gm: Any, node: Any, env: dict[Any, Any], timer: Timer) -> tuple[Any
 
 
 def _backward_s(gm: Any, node: Any, args: Any, kwargs: Any, timer: Timer) -> float:
-    import torch
-
     leaves: list[Any] = []
 
     def leaf(t: Any) -> Any:
@@ -251,7 +226,7 @@ def _backward_s(gm: Any, node: Any, args: Any, kwargs: Any, timer: Timer) -> flo
         leaves.append(t)
         return t.clone()  # so that in-place ops (ReLU(inplace)) do not write into a leaf
 
-    grad_args, grad_kwargs = _tree_map(leaf, (args, kwargs))
+    grad_args, grad_kwargs = tree_map(leaf, (args, kwargs))
     if node.op == "call_module":
         leaves += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
     if node.op == "get_attr":
@@ -279,8 +254,6 @@ class Timer:
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(self.device)
 
     def time(self, fn: Callable[[], Any]) -> float:
@@ -334,10 +307,6 @@ def direct_step_s(
     spec: str, *, microbatch: int | None = None, repeats: int = 5, warmup: int = 2, threads: int | None = None
 ) -> float:
     """Seconds (fastest of `repeats`) of one whole forward + loss + backward: the reference timing."""
-    import torch
-
-    from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
-
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model_spec(spec, device="cpu")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, TupleType
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, TupleType
 from dapple_ir.ir.printer import Namer, print_module
 
 _CONTEXT_LINES = 3
@@ -179,7 +179,7 @@ class _Verifier:
                 return f"{kind.value} needs a value, a microbatch and a peer rank"
             if not 0 <= instr.peer < n_ranks or instr.peer == rank:
                 return f"peer rank {instr.peer} is not another rank of 0..{n_ranks - 1}"
-        compute = (InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT)
+        compute = COMPUTE_KINDS
         if kind in compute and (instr.stage is None or instr.mb is None):
             return f"{kind.value} needs a stage and a microbatch"
         if kind is InstrKind.FREE and (instr.mb is None or (instr.stage is None) == (instr.value is None)):

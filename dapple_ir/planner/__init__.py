@@ -3,5 +3,6 @@ CP-SAT model (`ilp`), the baselines it must beat (`baselines`) and the search th
 (`search`). Plans are scored by a callback the caller gives (the `plan` pass lowers and simulates),
 so the planner never builds passes.
 
-Imports the IR, analysis, the cluster model, `errors` and `units`.
+Imports the IR, analysis, the cluster model, the schedule registry (`dapple_ir.schedules`), `errors`
+and `units`; never the pass registry, the pass manager, a pass or the simulator.
 """

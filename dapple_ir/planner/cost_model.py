@@ -21,6 +21,9 @@ allreduce of stage s's gradients over its replica group. With equal stages and f
 
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
+
+The formulas know the built-in schedules; any other registered schedule (`dapple_ir.schedules`, one a
+plugin adds) is estimated like 1f1b, and the simulator, which lowers the real schedule, ranks it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+#: The device placement policies (see `place`).
 POLICIES = ("append-first", "fresh-first", "scatter-first")
 
 #: Share of a stage's compute on the first microbatch's path: zb-h1 defers the weight gradient

@@ -1,23 +1,31 @@
-"""The planner's search: gather candidates (DP, ILP, baselines), check them, rank the best few with
-the simulator, and explain the choice. The `plan` pass is a thin shell around `search`."""
+"""The planner's search: gather candidates (DP, ILP, baselines), check them, rank the best few by a
+score the caller gives (the `plan` pass lowers and simulates them), and explain the choice. The
+`plan` pass is a thin shell around `search`."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Stage, StageAttrs
 from dapple_ir.planner.baselines import all_baselines
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Estimate, Problem, evaluate, microbatch_choices
 from dapple_ir.planner.dp import plan_dp, policies_for, replicated_pipelines
+from dapple_ir.planner.ilp import plan_ilp
+from dapple_ir.schedules import SCHEDULES, ScheduleRequest, build_schedule
 from dapple_ir.units import GB
+
+#: The search methods: the DP, the CP-SAT model, or both (`auto`, the best few ranked by the score).
+METHODS = ("auto", "dp", "ilp")
 
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
+
+Score = Callable[[Candidate], tuple[float, float]]
+"""Scores a candidate: (iteration seconds, worst peak bytes), as the simulator predicts them."""
 
 
 @dataclass
@@ -25,10 +33,13 @@ class Request:
     """What the user asked for; None leaves the choice to the planner."""
 
     method: str = "auto"
+    """One of `METHODS`."""
     stages: int | None = None
     microbatches: int | None = None
     schedule: str | None = None
+    """A registered schedule (`dapple_ir.schedules.SCHEDULES`)."""
     policy: str | None = None
+    """One of `POLICIES`."""
     ilp_time_limit_s: float = 10.0
 
 
@@ -53,6 +64,15 @@ class Outcome:
 
 
 def validate(problem: Problem, req: Request) -> None:
+    if req.method not in METHODS:
+        raise PlanError(f"method must be one of {', '.join(METHODS)}, not '{req.method}'")
+    if req.schedule is not None and req.schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be auto or one of {', '.join(SCHEDULES)}, not '{req.schedule}'")
+    if req.policy is not None and req.policy not in POLICIES:
+        raise PlanError(f"policy must be auto or one of {', '.join(POLICIES)}, not '{req.policy}'")
+    for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
+        if count is not None and count < 1:
+            raise PlanError(f"{what} must be auto or a positive integer, not {count}")
     cluster = problem.cluster
     if sum(problem.fwd_s) + sum(problem.bwd_s) <= 0:
         raise PlanError(
@@ -75,15 +95,20 @@ def validate(problem: Problem, req: Request) -> None:
         )
 
 
-def search(module: Module, problem: Problem, req: Request, simulate: bool = True) -> Outcome:
-    """The best fitting plan for `problem`, with the candidates that lost and why."""
+def search(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
+    """The best fitting plan for `problem`, with the candidates that lost and why.
+
+    With `score`, the best few candidates by the cost model (and every baseline) are scored and ranked
+    by it; without, the cost model alone ranks them. A schedule the cost model has no formula for (one
+    a plugin registers) is estimated like 1f1b, and only the score tells it apart.
+    """
     validate(problem, req)
     cluster = problem.cluster
     ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, cluster.num_devices)
-    schedule = req.schedule if req.schedule and req.schedule != "auto" else "1f1b"
-    policies = [req.policy] if req.policy and req.policy != "auto" else policies_for(cluster, POLICIES)
+    schedule = req.schedule or "1f1b"
+    policies = [req.policy] if req.policy else policies_for(cluster, POLICIES)
     pool: list[Scored] = []
-    if req.stages is None and req.microbatches is None and req.policy in (None, "auto"):
+    if req.stages is None and req.microbatches is None and req.policy is None:
         for name, (cand, _est) in all_baselines(problem).items():
             cand = Candidate(cand.stages, cand.microbatches, schedule, cand.policy, f"baseline:{name}")
             pool.append(Scored(cand, evaluate(problem, cand)))
@@ -101,12 +126,10 @@ def search(module: Module, problem: Problem, req: Request, simulate: bool = True
             front=front,
         ):
             pool.append(Scored(cand, est))
-        if cluster.num_devices > 64 and req.stages is None and req.policy in (None, "auto"):
+        if cluster.num_devices > 64 and req.stages is None and req.policy is None:
             for cand, est in replicated_pipelines(problem, microbatches=ms, schedule=schedule, bound=bound * 1.25):
                 pool.append(Scored(cand, est))
     if req.method == "ilp" or (req.method == "auto" and problem.layers <= 24 and cluster.num_devices <= 16):
-        from dapple_ir.planner.ilp import plan_ilp
-
         seeds = plan_dp(problem, microbatches=ms, schedules=[schedule], policies=["append-first"], stages=req.stages)
         hints = [c for c, _est in seeds[:3]]
         for cand, est, note in plan_ilp(
@@ -135,10 +158,10 @@ def search(module: Module, problem: Problem, req: Request, simulate: bool = True
     # simulator than a rule a user could apply by hand.
     head = [s for k, s in enumerate(fitting) if k < SIMULATED or s.cand.source.startswith("baseline:")]
     tail = [s for s in fitting if s not in head]
-    if simulate and req.schedule in (None, "auto"):
+    if score is not None and req.schedule is None:
         head += _schedule_variants(problem, fitting[:2])
-    if simulate:
-        _simulate_best(module, problem, head, cluster)
+    if score is not None:
+        _score_best(head, score)
     cap = problem.capacity(0)
     for s in head:
         if s.simulated_peak is not None and s.simulated_peak > cap:
@@ -197,22 +220,7 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
     attrs.cluster = problem.cluster.name or attrs.cluster
 
 
-def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
-    """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy."""
-    from dapple_ir.pass_manager import PassManager, build_pipeline
-    from dapple_ir.sim.simulator import simulate
-
-    # The lowering passes write stages, programs and module attributes, never ops or parameters: a
-    # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
-    trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
-    write_stages(trial, problem, cand)
-    passes = build_pipeline(f"schedule{{kind={cand.schedule}}},lower-comm,insert-frees")
-    PassManager(passes, verify=False).run(trial)
-    result = simulate(trial, cluster=problem.cluster)
-    return result.iteration_s, max(result.peak_bytes, default=0.0)
-
-
-def _simulate_best(module: Module, problem: Problem, best: list[Scored], cluster: ClusterSpec) -> None:
+def _score_best(best: list[Scored], score: Score) -> None:
     done: list[tuple[Candidate, Scored]] = []
     for s in best:
         twin = next((t for c, t in done if _lowers_alike(c, s.cand)), None)
@@ -221,7 +229,7 @@ def _simulate_best(module: Module, problem: Problem, best: list[Scored], cluster
             s.simulated_s, s.simulated_peak, s.note = twin.simulated_s, twin.simulated_peak, twin.note
             continue
         try:
-            s.simulated_s, s.simulated_peak = lower_and_simulate(module, problem, s.cand)
+            s.simulated_s, s.simulated_peak = score(s.cand)
         except (ImportError, DappleError) as exc:
             s.note = f"not simulated: {str(exc).splitlines()[0][:120]}"
         done.append((s.cand, s))
@@ -246,8 +254,6 @@ def _lowers_alike(a: Candidate, b: Candidate) -> bool:
         return True
     # Only the schedule differs: compare the work each replica runs (no pass after `schedule` reads
     # the schedule's name, only the orders it produced).
-    from dapple_ir.schedules import ScheduleRequest, build_schedule
-
     if "interleaved" in (a.schedule, b.schedule):
         return False
     request = ScheduleRequest(replicas=a.replicas, microbatches=a.microbatches)

@@ -43,24 +43,19 @@ from pathlib import Path
 from dapple_ir.analysis import memory
 from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes, transfer_bytes
 from dapple_ir.analysis.stage_graph import tied_params
-from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link, resolve_cluster
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import DappleError
-from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.plan_dir import read_module
 from dapple_ir.units import format_bytes, format_seconds
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
 BACKWARD_INPUT_FRACTION = 0.5
 
-#: Instructions that occupy the compute stream (drawn on the compute track).
-COMPUTE_KINDS = frozenset(
-    {
-        InstrKind.FORWARD,
-        InstrKind.BACKWARD,
-        InstrKind.BACKWARD_INPUT,
-        InstrKind.BACKWARD_WEIGHT,
-        InstrKind.OPTIMIZER_STEP,
-    }
-)
+#: Instructions that occupy the compute stream (drawn on the compute track): the stage's
+#: computation and the optimizer step.
+COMPUTE_STREAM_KINDS = COMPUTE_KINDS | {InstrKind.OPTIMIZER_STEP}
 
 #: Instructions whose time is spent on the comm track.
 COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE})
@@ -169,14 +164,7 @@ def simulate(
 def _load(module_or_path: Module | str | Path) -> Module:
     if isinstance(module_or_path, Module):
         return module_or_path
-    from dapple_ir.ir.parser import parse_module
-
-    path = Path(module_or_path)
-    if path.is_dir():
-        path = path / "plan.dapple"
-    if not path.is_file():
-        raise DappleError(f"{module_or_path} is neither an IR file nor a plan directory holding plan.dapple")
-    return parse_module(path.read_text(), str(path))
+    return read_module(module_or_path)
 
 
 def ideal_cluster() -> ClusterSpec:

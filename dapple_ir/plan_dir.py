@@ -1,13 +1,22 @@
-"""Reading a plan directory: `plan.json` (JSON) and `plan.dapple` (IR text), checked against each other.
+"""The plan directory: its file names, writing it atomically, loading it back, and its digest.
+
+A plan directory holds `plan.dapple` (the lowered IR, the source of truth), `plan.json` (what the
+runtime needs beside it, and the IR's SHA-256), `report.txt` (why this plan won), for a runnable
+plan one `rank_<r>.py` per rank, and what `simulate` and `run` add later (timelines, pictures).
+The api writes it, the torch backend and the simulator read it; nobody else spells these names.
 
 Nothing in a plan is executable or unpickled: the JSON and the IR text are parsed, and the rank
-files `rank_<r>.py` are run only when they are byte-for-byte what `codegen` writes for the IR.
+files are run only when they are byte-for-byte what the backend's codegen writes for the IR.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,9 +24,27 @@ from typing import Any
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
 from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
 
 PLAN_JSON = "plan.json"
+"""What the runtime needs beside the IR (spec, seed, optimizer, ...) and the IR's digest."""
 PLAN_IR = "plan.dapple"
+"""The lowered IR in its text form."""
+REPORT = "report.txt"
+"""Why this plan won: the planner's explanation."""
+TIMELINE = "timeline.json"
+"""The simulated timeline (Chrome trace), written by `dapple simulate`."""
+TIMELINE_PICTURE = "timeline.png"
+"""The simulated timeline drawn, written by `dapple simulate`."""
+TIMELINE_MEASURED = "timeline_measured.json"
+"""The timeline `dapple run` measured, in the simulator's trace format."""
+TIMELINE_COMPARE = "timeline-compare.png"
+"""Prediction over measurement, written by `dapple simulate --compare`."""
+
+
+def rank_file(rank: int) -> str:
+    """The generated program of one rank."""
+    return f"rank_{rank}.py"
 
 
 @dataclass
@@ -68,6 +95,47 @@ class Plan:
 
 def ir_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_module(path: str | Path) -> Module:
+    """The IR of a plan directory, or of an IR file given directly."""
+    given = Path(path)
+    file = given / PLAN_IR if given.is_dir() else given
+    if not file.is_file():
+        raise DappleError(f"{path} is neither an IR file nor a plan directory holding {PLAN_IR}")
+    return parse_module(file.read_text(), str(file))
+
+
+def write_plan_dir(
+    out: Path,
+    module: Module,
+    meta: dict[str, Any],
+    report: str,
+    emit: Callable[[Module, Path], object] | None = None,
+) -> None:
+    """Write a plan directory beside `out` in a temporary directory, then rename it into place, so a
+    failure leaves no half-written plan. `emit(module, dir)` adds the backend's files (rank programs).
+    `meta` gains the IR's digest (`ir_sha256`)."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        text = print_module(module)
+        (tmp / PLAN_IR).write_text(text)
+        meta["ir_sha256"] = ir_digest(text)
+        (tmp / PLAN_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / REPORT).write_text(report)
+        if emit is not None:
+            emit(module, tmp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_plan(plan_dir: str | Path) -> Plan:

@@ -1,0 +1,156 @@
+"""The communication a rank program needs around its compute: `lowered_programs` is what `lower-comm`
+writes, and what `schedule` checks a hand-written order's deadlocks on.
+
+What crosses which stage boundary is `dapple_ir.analysis.stage_graph`'s answer; a value goes straight from its
+producer to each consumer stage, skipping the stages between. Values of `input` ops are never sent: every
+rank whose stage holds or reads an input runs `load_microbatch` before its first forward of that microbatch.
+
+Placement keeps the lowering deadlock-free whenever the compute order is: a recv sits right before the
+first compute on the rank that needs it, a send right after the compute that produced it (sends never
+block). Gradients travel back only for values that depend on trainable parameters. After the rank's last
+backward, `allreduce @stage` sums each replicated stage's gradients over its replicas (latest stage first;
+for one stage per rank that is right after its last backward, as in DAPPLE); a parameter read by several
+stages is left out of those and summed by one `allreduce param @p` over every rank holding it; then the
+single `optimizer_step`. Collectives only after the last compute: an allreduce never waits on a rank that
+waits on a recv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dapple_ir.analysis.stage_graph import Crossing, crossings, tied_params, values_needing_grad
+from dapple_ir.errors import ScheduleError
+from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage
+
+
+def lowered_programs(module: Module) -> list[RankProgram]:
+    """New programs: each rank's compute instructions with communication, allreduces and the step."""
+    return _Lowering(module).run()
+
+
+class _Lowering:
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.rank_of: dict[tuple[str, int], int] = {}
+        for index, program in enumerate(module.programs):
+            for name in program.attrs.stages or ():
+                self.rank_of[(name, program.attrs.replica or 0)] = index
+        self.crossings = crossings(module)
+        self.into: dict[Stage, list[Crossing]] = {s: [] for s in module.stages}
+        self.out_of: dict[Stage, list[Crossing]] = {s: [] for s in module.stages}
+        for c in self.crossings:
+            self.into[c.consumer].append(c)
+            self.out_of[c.producer].append(c)
+        self.grads = values_needing_grad(module)
+        self.tied = tied_params(module)
+        self.loads = {s for s in module.stages if any(op.kind is OpKind.INPUT for op in s.ops)}
+        self.loads |= {s for s in module.stages for op in s.ops for v in op.operands if v.kind is OpKind.INPUT}
+
+    def peer(self, stage: Stage, mb: int) -> int:
+        key = (stage.name, mb % stage.replicas)
+        if key not in self.rank_of:
+            raise ScheduleError(f"lower-comm: no rank hosts replica {key[1]} of stage @{stage.name}")
+        return self.rank_of[key]
+
+    def run(self) -> list[RankProgram]:
+        return [
+            RankProgram(p.name, self.lower(rank, p), dataclasses.replace(p.attrs))
+            for rank, p in enumerate(self.module.programs)
+        ]
+
+    def lower(self, rank: int, program: RankProgram) -> list[Instr]:
+        compute = [i for i in program.instrs if i.kind in COMPUTE_KINDS]
+        first_use, last_grad = self.positions(compute)
+        out: list[Instr] = []
+        loaded: set[int] = set()
+        for index, instr in enumerate(compute):
+            stage, mb = instr.stage, instr.mb
+            assert stage is not None and mb is not None
+            if instr.kind is InstrKind.FORWARD:
+                if stage in self.loads and mb not in loaded:
+                    loaded.add(mb)
+                    out.append(Instr(InstrKind.LOAD_MICROBATCH, mb=mb))
+                out += self.recvs(rank, index, stage, mb, first_use)
+            if instr.kind in INPUT_GRAD_KINDS:
+                out += self.grad_recvs(rank, stage, mb)
+            out.append(instr)
+            if instr.kind is InstrKind.FORWARD:
+                out += self.sends(rank, stage, mb)
+            if instr.kind in INPUT_GRAD_KINDS:
+                out += self.grad_sends(rank, index, stage, mb, last_grad)
+        out += self.stage_allreduces(program)
+        out += self.tied_allreduces(rank)
+        out.append(Instr(InstrKind.OPTIMIZER_STEP))
+        return out
+
+    def positions(self, compute: list[Instr]) -> tuple[dict, dict]:  # type: ignore[type-arg]
+        """Index of the first forward needing each (value, mb), and of the last input-backward producing its grad."""
+        first_use: dict[tuple[Op, int], int] = {}
+        last_grad: dict[tuple[Op, int], int] = {}
+        for index, instr in enumerate(compute):
+            assert instr.stage is not None and instr.mb is not None
+            for c in self.into[instr.stage]:
+                if instr.kind is InstrKind.FORWARD:
+                    first_use.setdefault((c.value, instr.mb), index)
+                if instr.kind in INPUT_GRAD_KINDS:
+                    last_grad[(c.value, instr.mb)] = index
+        return first_use, last_grad
+
+    def recvs(self, rank: int, index: int, stage: Stage, mb: int, first_use: dict) -> list[Instr]:  # type: ignore[type-arg]
+        out: list[Instr] = []
+        for c in self.into[stage]:
+            src = self.peer(c.producer, mb)
+            if src != rank and first_use[(c.value, mb)] == index and not any(i.value is c.value for i in out):
+                out.append(Instr(InstrKind.RECV, value=c.value, mb=mb, peer=src))
+        return out
+
+    def sends(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
+        out: list[Instr] = []
+        for c in self.out_of[stage]:
+            dst = self.peer(c.consumer, mb)
+            if dst == rank:
+                continue
+            if not any(i.value is c.value and i.peer == dst for i in out):
+                out.append(Instr(InstrKind.SEND, value=c.value, mb=mb, peer=dst))
+        return out
+
+    def grad_recvs(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
+        out: list[Instr] = []
+        for c in self.out_of[stage]:
+            src = self.peer(c.consumer, mb)
+            if src == rank or c.value not in self.grads:
+                continue
+            if not any(i.value is c.value and i.peer == src for i in out):
+                out.append(Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=src))
+        return out
+
+    def grad_sends(self, rank: int, index: int, stage: Stage, mb: int, last_grad: dict) -> list[Instr]:  # type: ignore[type-arg]
+        out: list[Instr] = []
+        for c in self.into[stage]:
+            dst = self.peer(c.producer, mb)
+            if dst == rank or c.value not in self.grads:
+                continue
+            if last_grad[(c.value, mb)] == index and not any(i.value is c.value for i in out):
+                out.append(Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=dst))
+        return out
+
+    def stage_allreduces(self, program: RankProgram) -> list[Instr]:
+        # After the last compute, latest stage first: every replica of a device group hosts the same stages,
+        # so all members meet the collectives in the same order and no allreduce waits on a pending recv.
+        order = {s.name: i for i, s in enumerate(self.module.stages)}
+        out: list[Instr] = []
+        for name in sorted(program.attrs.stages or (), key=order.__getitem__, reverse=True):
+            stage = self.module.stage(name)
+            if stage.replicas > 1:
+                group = tuple(sorted(self.peer(stage, j) for j in range(stage.replicas)))
+                out.append(Instr(InstrKind.ALLREDUCE, stage=stage, group=group))
+        return out
+
+    def tied_allreduces(self, rank: int) -> list[Instr]:
+        out: list[Instr] = []
+        for name in sorted(self.tied, key=[p.name for p in self.module.params].index):
+            group = {self.rank_of[(s.name, j)] for s in self.tied[name] for j in range(s.replicas)}
+            if rank in group and len(group) > 1:
+                out.append(Instr(InstrKind.ALLREDUCE, param=name, group=tuple(sorted(group))))
+        return out

@@ -1,0 +1,208 @@
+"""Measuring this machine for `dapple calibrate`: matmul FLOP/s, memory bandwidth, the cost of one op
+call, and the link between two CPU ranks (gloo between two processes).
+
+On a CPU each device is a process with its share of the cores, and the ranks share the machine's
+caches and memory: with several ranks, what one rank gets is measured while neighbours do the same
+work, beside the figures of one rank alone (which a profile, measured alone, is fitted against).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind, Link
+from dapple_ir.errors import DappleError
+from dapple_ir.frontend.profiler import Timer
+
+#: Matmul edge and bytes copied per device type: large enough to reach the steady rate, small enough
+#: to finish in a second or two.
+_MATMUL_N = {"cpu": 1024, "cuda": 8192}
+_COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1024 * 2**20}
+_TINY_DEPTH = 16
+#: Message sizes of the link measurement: latency from the small one, bandwidth from the large one.
+_PING_BYTES, _BULK_BYTES = 4, 16 * 2**20
+_LINK_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class NodeMeasurement:
+    """What one node of the machine measured gives a cluster spec."""
+
+    kind: DeviceKind
+    """A device as one rank gets it while every rank works (on a CPU the ranks share the machine)."""
+    solo: DeviceKind
+    """A device measured alone (the same as `kind` where ranks do not share)."""
+    devices: int
+    """Devices (ranks) on the node."""
+    intra_link: Link | None
+    """The link between two ranks of the node, measured (None: not measured, keep the preset)."""
+
+
+def measure_node(device: str, devices: int | None) -> NodeMeasurement:
+    """Measure `device` (`cpu` or `cuda[:N]`) as `devices` ranks (default: the GPUs, or 1 on a CPU) use it."""
+    kind_name = "cuda" if device.startswith("cuda") else "cpu"
+    if kind_name == "cuda" and not torch.cuda.is_available():
+        raise DappleError("calibrate: --device cuda was asked for but torch sees no CUDA device")
+    count = devices or (torch.cuda.device_count() if kind_name == "cuda" else 1)
+    if count < 1:
+        raise DappleError(f"calibrate: --devices must be at least 1, not {count}")
+    threads = torch.get_num_threads()
+    if kind_name == "cpu":
+        # Each CPU rank gets its share of the cores, so measure with that many threads.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // count))
+    shared = kind_name == "cpu" and count > 1
+    try:
+        solo = measure_device(torch.device(device), kind_name, count)
+        kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1) if shared else solo
+    finally:
+        torch.set_num_threads(threads)
+    return NodeMeasurement(kind, solo, count, measure_cpu_link() if shared else None)
+
+
+def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: int = 0) -> DeviceKind:
+    """Peak f32 matmul FLOP/s and copy bandwidth of `device`, measured; a CPU's memory shared by `devices`.
+
+    With `neighbours`, that many threads run the same kind of work while each figure is taken.
+    """
+    timer = Timer(device, repeats=3, warmup=1)
+    n = _MATMUL_N[kind_name]
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    with _busy(neighbours, lambda _k: torch.mm(a, b)):
+        flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
+    if kind_name == "cuda":
+        for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            ah, bh = a.to(dtype), b.to(dtype)
+            flops[name] = 2 * n**3 / timer.time(partial(torch.mm, ah, bh))
+    count = _COPY_BYTES[kind_name] // 4
+    src = torch.empty(count, device=device).uniform_()
+    dst = torch.empty_like(src)
+    # A copy reads and writes every byte once; the neighbours copy buffers of their own.
+    theirs = [(torch.empty_like(src), torch.empty_like(src)) for _ in range(neighbours)]
+    with _busy(neighbours, lambda k: theirs[k][1].copy_(theirs[k][0])):
+        bandwidth = 2 * count * 4 / timer.time(lambda: dst.copy_(src))
+    memory = _memory_bytes(device) / (devices if kind_name == "cpu" else 1)
+    step = _tiny_step(device)
+    steps = [_tiny_step(device) for _ in range(neighbours)]
+    with _busy(neighbours, lambda k: steps[k]()):
+        # Each of the 16 Linears and the sum run once forward and once backward.
+        overhead = timer.time(step) / (2 * (_TINY_DEPTH + 1))
+    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=overhead)
+
+
+def measure_cpu_link() -> Link:
+    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth.
+
+    Two fresh processes (torch's spawn) bounce a 4-byte and a 16 MiB tensor back and forth; every wait is
+    bounded, and a machine where they cannot meet keeps the default link with a note on stderr.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        found = results.get(timeout=_LINK_TIMEOUT_S)
+    except Exception:  # queue.Empty, or a worker that died before reporting
+        found = None
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    if not isinstance(found, tuple):
+        why = found or "no answer in time"
+        print(f"calibrate: no gloo timing between two processes ({why}); keeping the default link", file=sys.stderr)
+        return DEFAULT_LINKS["cpu"][0]
+    ping_s, bulk_s = found
+    latency = ping_s / 2
+    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _link_worker(rank: int, port: int, results: Any) -> None:
+    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one)."""
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+            timeout=datetime.timedelta(seconds=_LINK_TIMEOUT_S),
+        )  # fmt: skip
+        peer = 1 - rank
+
+        def round_trip(nbytes: int) -> float:
+            buf = torch.zeros(nbytes // 4)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+                times.append(time.perf_counter() - start)
+            return sorted(times[1:])[len(times[1:]) // 2]
+
+        ping, bulk = round_trip(_PING_BYTES), round_trip(_BULK_BYTES)
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put((ping, bulk))
+    except Exception as exc:
+        if rank == 0:
+            results.put(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def _tiny_step(device: Any) -> Callable[[], None]:
+    """A training step whose ops do almost no work: it times the per-call cost (dispatch, autograd, launch)."""
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(_TINY_DEPTH)]).to(device)
+    x = torch.randn(1, 4, device=device)
+
+    def step() -> None:
+        layers(x).sum().backward()
+
+    return step
+
+
+@contextmanager
+def _busy(count: int, work: Callable[[int], object]) -> Iterator[None]:
+    """Run `work(k)` in a loop on threads k = 0..count-1 (torch releases the GIL inside its ops) during the block."""
+    stop = threading.Event()
+
+    def loop(k: int) -> None:
+        while not stop.is_set():
+            work(k)
+
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def _memory_bytes(device: Any) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
