@@ -1,7 +1,8 @@
 """Plan quality: our planner vs the plans a user would pick instead, in the same simulator.
 
-For every profile in examples/profiles and every example model (its large builder, captured on the
-meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x8 H100 cluster:
+For the profiles of the models PipeDream and DAPPLE evaluated (`PAPER_PROFILES`; examples/profiles
+holds more) and every example model (its large builder, captured on the meta device), on a 2x8 and a
+16x1 V100-16GB cluster (DAPPLE's settings) and a 4x8 H100 cluster:
 
 - ours: the `plan` pass's search (DP + ILP + baselines, best few ranked by the simulator), its
   simulated iteration time;
@@ -14,7 +15,11 @@ meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x
   (the incumbent), its proven lower bound, and "optimal" when the two met. "ours vs ILP" compares our
   plan's cost-model estimate with that incumbent (negative: ours is better by the model, which can
   happen when the solver stopped early or our plan uses another placement policy); it is a gap to the
-  optimum only where the status says "optimal".
+  optimum only where the status says "optimal";
+- card floor: the bytes our plan's cuts and allreduces put on its busiest network card per
+  iteration over the card's bandwidth (`dapple_ir.planner.traffic`): no iteration is shorter;
+- 15+1: for VGG-19 on the V100 clusters, the plan issue 16 names (the convolutions data parallel on
+  15 devices, the classifier on the 16th), simulated at its best microbatch count.
 
     .venv/bin/python bench/plan_quality.py [--quick] [--json PATH] [--budget SECONDS]
 """
@@ -22,6 +27,7 @@ meta device), on a 2x8 and a 16x1 V100-16GB cluster (DAPPLE's settings) and a 4x
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 import time
@@ -42,8 +48,22 @@ CLIP = 8.0
 BASELINE_NAMES = ("data-parallel", "uniform", "parameter-balanced", "time-balanced", "pipedream")
 
 
+#: The models of PipeDream's and DAPPLE's evaluations (DAPPLE's GNMT-16, BERT-48, XLNet-36,
+#: AmoebaNet-36 and VGG-19; PipeDream's VGG-16, ResNet-18 and GNMT); the other files are variants.
+PAPER_PROFILES = (
+    "dapple-amoeba-36-pbs-1",
+    "dapple-bert-48-pbs-2",
+    "dapple-gnmt-16-pbs-64",
+    "dapple-vgg-19-pbs-32",
+    "dapple-xlnet-36-pbs-1",
+    "pipedream-gnmt",
+    "pipedream-resnet18",
+    "pipedream-vgg16",
+)
+
+
 def profile_files() -> list[Path]:
-    return sorted(PROFILES.glob("*.txt"))
+    return sorted(p for p in PROFILES.glob("*.txt") if p.stem in PAPER_PROFILES)
 
 
 def load_models(quick: bool) -> list[tuple[str, Any, int]]:
@@ -103,7 +123,7 @@ def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) ->
     problem = problem_from_module(base, cluster, global_batch)
     lap("front")
     # `search` lowers every candidate on a copy of its own: `base` stays unplanned for the baselines.
-    outcome = search(problem, Request(), lambda cand: lower_and_simulate(base, problem, cand))
+    outcome = search(problem, Request(), functools.partial(lower_and_simulate, base))
     lap("plan")
     plan_s = timings["plan"]
     chosen = outcome.chosen
@@ -112,8 +132,10 @@ def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) ->
         "plan": _describe(chosen.cand),
         "ours_s": chosen.time_s,
         "ours_est": chosen.estimate.iteration_s,
+        "floor_s": chosen.estimate.floor_s,
         "plan_s": plan_s,
         "baselines": {},
+        "fifteen_one_s": _fifteen_one(base, problem),
     }
     # The search ranks every fitting baseline in the simulator: reuse those times rather than lower
     # and simulate the same plans again (a plan equal to one the search kept has the same programs).
@@ -141,6 +163,24 @@ def one_case(module: Any, global_batch: int, cluster_name: str, ilp_s: float) ->
     return result
 
 
+def _fifteen_one(module: Any, problem: Any) -> float | str:
+    """VGG-19's convolutions on 15 devices and its classifier (from FC1 on) on the 16th, simulated at
+    its best microbatch count; '-' for other models and clusters."""
+    from dapple_ir.passes.plan import lower_and_simulate
+    from dapple_ir.planner.cost_model import Candidate, StageChoice, evaluate
+
+    targets = [[op.target for op in layer.ops] for layer in module.layers]
+    if problem.cluster.num_devices != 16 or "vgg-19" not in module.name.replace("_", "-"):
+        return "-"
+    tail = next((k for k, names in enumerate(targets) if "node23" in names), None)
+    if tail is None:
+        return "-"
+    stages = (StageChoice(0, tail, tuple(range(15))), StageChoice(tail, problem.layers, (15,)))
+    options = [Candidate(stages, m) for m in (64, 128, 256, 512) if problem.global_batch % m == 0]
+    options = [c for c in options if evaluate(problem, c).fits]
+    return min((lower_and_simulate(module, problem, c)[0] for c in options), default="no fit")
+
+
 def _describe(cand: Any) -> str:
     """`S=4 R=8,4,3,1 M=128` (`R=1 each` when no stage is replicated)."""
     replicas = list(cand.replicas)
@@ -152,8 +192,8 @@ def _ratio(baseline: Any, ours: float) -> float | str:
     return baseline / ours if isinstance(baseline, float) else baseline
 
 
-COLUMNS = ["model", "cluster", "layers", "our plan", "ours s", *BASELINE_NAMES, "ILP best s", "ILP bound s",
-           "ILP status", "ours vs ILP", "plan s"]  # fmt: skip
+COLUMNS = ["model", "cluster", "layers", "our plan", "ours s", "card floor s", *BASELINE_NAMES, "15+1 s",
+           "ILP best s", "ILP bound s", "ILP status", "ours vs ILP", "plan s"]  # fmt: skip
 
 
 def _ilp_cells(ilp: Any, ours_est: float) -> tuple[list[Any], float | None]:
@@ -182,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     unsolved = 0
 
     def skip_row(name: str, cluster: str, why: str) -> None:
-        table.add(name, cluster, *["-"] * 3, *[why] * len(BASELINE_NAMES), *["-"] * 5)
+        table.add(name, cluster, *["-"] * 4, *[why] * len(BASELINE_NAMES), *["-"] * 6)
 
     # Cluster-major order: when the budget runs out, every model has its 2x8 V100 row.
     for cluster in clusters:
@@ -213,11 +253,26 @@ def main(argv: list[str] | None = None) -> int:
                 proved.append(diff)
             else:
                 open_diffs.append(diff)
-            table.add(name, cluster, r["layers"], r["plan"], r["ours_s"], *cells, *ilp_cells, r["plan_s"])
+            table.add(
+                name,
+                cluster,
+                r["layers"],
+                r["plan"],
+                r["ours_s"],
+                r["floor_s"],
+                *cells,
+                r["fifteen_one_s"],
+                *ilp_cells,
+                r["plan_s"],
+            )
             if args.json:
                 report.save(args.json)  # partial results survive a hard stop
     table.notes += [
         "global batch: 32 x the profile batch for profiles, 16 x the example batch for examples; Adam memory model.",
+        "clusters: the shorthand's machines (docs/cluster.md): DAPPLE's V100 servers with one 25 Gbit/s card each, "
+        "DGX H100 with one 400 Gbit/s card per GPU; transfers and allreduces share the links they cross.",
+        "card floor s: our plan's busiest network card, bytes per iteration / bandwidth (0 on one node or without "
+        "traffic between nodes). 15+1 s: VGG-19's convolutions on 15 devices and classifier on the 16th.",
         "ours = the plan pass's search (dapple_ir.planner.search.search), which also considers the baselines; "
         "every time is the simulator's, for plans lowered by the same schedule/lower-comm/insert-frees passes.",
         f"ILP: CP-SAT over append-first placements at our plan's stages, microbatches and schedule, "

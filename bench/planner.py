@@ -65,7 +65,7 @@ def main() -> None:
         problem = problem_from_module(module, cluster, global_batch)
         simulate = cluster.num_devices <= args.simulate_up_to
         start = time.perf_counter()
-        score = functools.partial(lower_and_simulate, module, problem) if simulate else None
+        score = functools.partial(lower_and_simulate, module) if simulate else None
         outcome = search(problem, Request(method="dp"), score)
         planning = time.perf_counter() - start
         ours = outcome.chosen.time_s

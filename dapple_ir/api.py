@@ -56,6 +56,11 @@ def default_pipeline(
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
 
 
+#: The largest global batch compile accepts: far beyond any real step (16.7M samples), small enough
+#: that the planner's search over microbatch counts stays bounded.
+MAX_GLOBAL_BATCH = 2**24
+
+
 def compile(
     model_spec: str | Module,
     *,
@@ -74,12 +79,24 @@ def compile(
     max_layers: int | None = None,
     log: Any = None,
     manager: dict[str, Any] | None = None,
+    force: bool = False,
 ) -> CompileResult:
-    """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically."""
+    """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
+
+    `out_dir` may be new, empty or a previous plan; a directory holding other files is refused
+    before any work unless `force`."""
     if planner not in METHODS:
         raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
-    if global_batch < 1:
-        raise PlanError(f"global batch must be a positive integer, not {global_batch}")
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"global batch must be a positive integer of at most {MAX_GLOBAL_BATCH:,} samples per step, "
+            f"not {global_batch:,}"
+        )
+    for name, count in (("stages", stages), ("microbatches", microbatches)):
+        if count is not None and not 1 <= count <= global_batch:
+            raise PlanError(f"--{name} must lie between 1 and the global batch ({global_batch}), not {count:,}")
+    if out_dir is not None:
+        plan_dir.check_output(Path(out_dir), force=force)
     if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
         raise PlanError(
             f"global batch {global_batch} is not divisible into {microbatches} microbatches; "

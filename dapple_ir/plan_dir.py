@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
-from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module, read_ir_file
 from dapple_ir.ir.printer import print_module
 
 PLAN_JSON = "plan.json"
@@ -45,6 +46,36 @@ TIMELINE_COMPARE = "timeline-compare.png"
 def rank_file(rank: int) -> str:
     """The generated program of one rank."""
     return f"rank_{rank}.py"
+
+
+_RANK_FILE = re.compile(r"rank_[0-9]+\.py")
+
+
+def is_plan_file(name: str) -> bool:
+    """Whether a file of that name is one dapple-ir writes into a plan directory."""
+    known = {PLAN_JSON, PLAN_IR, REPORT, TIMELINE, TIMELINE_PICTURE, TIMELINE_MEASURED, TIMELINE_COMPARE}
+    return name in known or _RANK_FILE.fullmatch(name) is not None
+
+
+def check_output(out: Path, *, force: bool = False) -> None:
+    """Refuse an output path whose contents dapple-ir did not write, before any work is done: a file,
+    or a directory holding anything but plan files (unless `force`, which replaces it whole)."""
+    if out.exists() and not out.is_dir():
+        raise DappleError(f"output {out} is a file, not a directory; give a new or plan directory to write the plan")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DappleError(
+            f"cannot write the plan directory {out}: {existing} is not a directory this user can write to"
+        )
+    if not out.is_dir() or force:
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not is_plan_file(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DappleError(
+            f"output directory {out} holds files dapple-ir did not write ({shown}); a plan replaces its directory "
+            "whole, so choose another directory, or pass --force to replace it with everything in it"
+        )
 
 
 @dataclass
@@ -103,7 +134,7 @@ def read_module(path: str | Path) -> Module:
     file = given / PLAN_IR if given.is_dir() else given
     if not file.is_file():
         raise DappleError(f"{path} is neither an IR file nor a plan directory holding {PLAN_IR}")
-    return parse_module(file.read_text(), str(file))
+    return parse_module(read_ir_file(file), str(file))
 
 
 def write_plan_dir(
@@ -114,11 +145,17 @@ def write_plan_dir(
     emit: Callable[[Module, Path], object] | None = None,
 ) -> None:
     """Write a plan directory beside `out` in a temporary directory, then rename it into place, so a
-    failure leaves no half-written plan. `emit(module, dir)` adds the backend's files (rank programs).
-    `meta` gains the IR's digest (`ir_sha256`)."""
+    failure leaves no half-written plan and the previous plan stays until the new one is complete.
+    `emit(module, dir)` adds the backend's files (rank programs). `meta` gains the IR's digest
+    (`ir_sha256`). Call `check_output` first: this replaces whatever `out` holds."""
     out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise DappleError(f"cannot write the plan directory {out}: {exc.strerror or exc}") from None
+    # mkdtemp makes the directory private (0700); a plan directory gets the usual mode.
+    tmp.chmod(0o777 & ~_umask())
     try:
         text = print_module(module)
         (tmp / PLAN_IR).write_text(text)
@@ -136,6 +173,12 @@ def write_plan_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_plan(plan_dir: str | Path) -> Plan:
@@ -160,7 +203,7 @@ def load_plan(plan_dir: str | Path) -> Plan:
             "no executable model: it can be planned and simulated (`dapple simulate`), not run; compile a model "
             "spec (file.py:factory) to train"
         )
-    text = ir_path.read_text()
+    text = read_ir_file(ir_path)
     module = parse_module(text, str(ir_path))
     plan = Plan(path, module, meta, ir_digest(text))
     _cross_check(plan)

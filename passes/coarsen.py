@@ -12,6 +12,10 @@ from dapple_ir.registry import Pass, PassContext, option, register_pass
 # Inputs and parameter reads have no place of their own in the chain: they join their first user,
 # so a loss target read only by the last op never crosses a cut. The output joins the loss.
 _FLOATING = (OpKind.INPUT, OpKind.GET_ATTR, OpKind.OUTPUT)
+# Their values never cross a cut either: every stage that reads an input loads it, and a stage that
+# reads a parameter holds it (`analysis.stage_graph`). An input whose shape later blocks read (for
+# their sizes) would otherwise count as bytes sent across every cut.
+_LOADED = (OpKind.INPUT, OpKind.GET_ATTR)
 
 
 @register_pass
@@ -60,7 +64,7 @@ def _crossing(module: Module, position: dict[Op, int], n: int) -> list[tuple[flo
     users = module.users()
     for op in module.ops:
         last = max((position[u] for u in users[op]), default=position[op])
-        if last <= position[op]:
+        if last <= position[op] or op.kind in _LOADED:
             continue
         # The value crosses boundaries position+1 .. last (difference arrays, summed below).
         lo, hi = position[op] + 1, last + 1

@@ -47,8 +47,8 @@ class Plan(Pass):
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
         problem = problem_from_module(module, cluster, int(global_batch))
 
-        def score(cand: Candidate) -> tuple[float, float]:
-            return lower_and_simulate(module, problem, cand)
+        def score(trial: Problem, cand: Candidate) -> tuple[float, float]:
+            return lower_and_simulate(module, trial, cand)
 
         outcome = search(problem, request, score if self.simulate else None)
         write_stages(module, problem, outcome.chosen.cand)

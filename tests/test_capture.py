@@ -276,3 +276,70 @@ def test_loss_module_is_part_of_the_graph(method: str) -> None:
     assert captured.module.ops[-1].operands == [loss_ops[-1]]
     expected = loss_module(_load("mlp").model(*mlp.example_inputs), *mlp.example_targets)
     torch.testing.assert_close(captured.graph_module(*captured.example_inputs), expected)
+
+
+class _SizedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        return self.fc(x).view(batch, 2, 4).mean(1)
+
+
+class _SizeReadOnce(torch.nn.Module):
+    """Reads the batch size once at the top and hands it to every block, as transformers models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_SizedBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.size(0)
+        for block in self.blocks:
+            x = block(x, batch)
+        return x
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_size_read_once_is_read_again_by_each_block_so_blocks_can_be_cut_apart(method: str) -> None:
+    from dapple_ir.ir import OpaqueType
+    from dapple_ir.pass_manager import PassManager, build_pipeline
+
+    torch.manual_seed(0)
+    model = _SizeReadOnce()
+    mse = torch.nn.functional.mse_loss
+    captured = capture(model, (torch.randn(4, 4),), loss_fn=mse, example_targets=(torch.randn(4, 4),), method=method)
+    module = captured.module
+    sizes = [op for op in module.ops if isinstance(op.type, OpaqueType) and op.operands]
+    users = module.users()
+    assert len(sizes) == 3  # one per view, each read from the input, never one shared by all blocks
+    assert all(op.operands[0].kind is OpKind.INPUT and len(users[op]) == 1 for op in sizes)
+    PassManager(build_pipeline("coarsen{max-layers=1000}")).run(module)
+    for layer in module.layers:
+        paths = [op.attrs.module_path or "" for op in layer.ops]
+        blocks = {path.split(".")[1] for path in paths if path.startswith("blocks.")}
+        assert len(blocks) <= 1, f"layer {layer.name} spans blocks {sorted(blocks)}: no cut between them"
+    # The copies read the size of the input they are given, so the graph runs at any batch.
+    x, target = torch.randn(6, 4), torch.randn(6, 4)
+    torch.testing.assert_close(captured.graph_module(x, target), mse(model(x), target))
+
+
+def test_one_tensor_given_as_two_inputs_becomes_two_graph_inputs() -> None:
+    # Hugging Face examples pass {"input_ids": ids, "labels": ids}; merged, training would feed the
+    # input's data as the labels too.
+    class TwoInputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return ((self.fc(x) - y) ** 2).mean()
+
+    same = torch.randn(2, 4)
+    for method in ("fx", "export"):
+        captured = capture(TwoInputs(), {"x": same, "y": same}, method=method)
+        inputs = [op for op in captured.module.ops if op.kind is OpKind.INPUT]
+        assert [op.name for op in inputs] == ["x", "y"], method
+        read = {operand for op in captured.module.ops for operand in op.operands}
+        assert all(op in read for op in inputs), method  # both feed the computation

@@ -1,4 +1,5 @@
-"""Cluster specs from TOML: presets, custom and heterogeneous kinds, and errors that name the field."""
+"""Cluster specs from TOML: presets, custom and heterogeneous kinds, the network's fabric and cards, and
+errors that name the field and its line."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dapple_ir.cluster.spec import DEFAULT_EFFICIENCY, PRESETS
+from dapple_ir.cluster.spec import DEFAULT_EFFICIENCY, MACHINES, PRESETS, ClusterSpec, Link
 from dapple_ir.cluster.toml_file import cluster_to_toml, load_cluster_toml, resolve_cluster
+from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import ClusterError
 
 
@@ -24,8 +26,77 @@ def test_preset_cluster_matches_the_shorthand(tmp_path: Path) -> None:
     assert spec.num_devices == 16 and spec.nodes == 2
     assert spec.node_kinds == short.node_kinds
     assert (spec.intra, spec.inter) == (short.intra, short.inter)
-    # DAPPLE's cluster: 25 GB/s inside a server, 1 GB/s between servers.
-    assert spec.link(0, 7).bandwidth == 25e9 and spec.link(7, 8).bandwidth == 1e9
+    assert (spec.fabric, spec.cards, spec.machine) == (short.fabric, short.cards, short.machine)
+    # DAPPLE's servers: 25 GB/s between two GPUs of a server, one 25 Gbit/s card per server.
+    assert spec.link(0, 7).bandwidth == 25e9 and spec.link(7, 8).bandwidth == 25e9 / 8
+    assert spec.fabric == "switch" and spec.card_count == 1
+
+
+@pytest.mark.parametrize(
+    ("shorthand", "fabric", "cards", "card_bits"),
+    [
+        ("2x8xV100-16GB", "switch", 1, 25e9),
+        ("2x8xA100-80GB", "switch", 8, 200e9),
+        ("2x8xH100", "switch", 8, 400e9),
+        ("2x8xH200", "switch", 8, 400e9),
+        ("2x4xcpu", "bus", 1, 8e9),
+    ],
+)
+def test_shorthand_builds_the_machine_of_the_preset(shorthand: str, fabric: str, cards: int, card_bits: float) -> None:
+    """The machines the presets name: DAPPLE's V100 servers (one Ethernet card), DGX A100 and DGX
+    H100/H200 (one InfiniBand card per GPU), a CPU server (a bus, one card)."""
+    spec = resolve_cluster(shorthand)
+    assert (spec.fabric, spec.card_count) == (fabric, min(cards, spec.devices_per_node))
+    assert spec.inter.bandwidth == pytest.approx(card_bits / 8)
+    network = Network(spec)
+    per = spec.devices_per_node
+    # Two devices of one node: their own ports (switch) or the node's bus; of two nodes: their cards.
+    assert len(network.path(0, 1)) == (2 if fabric == "switch" else 1)
+    assert len(network.path(0, per)) == 2
+    assert all(network.links[k].card for k in network.path(0, per))
+    # Devices behind one card share its links; with a card per device they do not.
+    shared = network.path(0, per)[0] == network.path(1, per + 1)[0]
+    assert shared == (spec.card_count < per)
+    assert MACHINES[spec.node_kinds[0].name].name == spec.machine
+
+
+def test_fabric_and_network_tables(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        """
+nodes = 2
+devices_per_node = 4
+device = "V100-16GB"
+[fabric]
+kind = "bus"
+bandwidth = 16e9
+latency = 1e-5
+[network]
+cards = 2
+bandwidth = 12.5e9
+latency = 3e-6
+card_devices = [[0, 3], [1, 2]]
+""",
+    )
+    spec = load_cluster_toml(path)
+    assert spec.fabric == "bus" and spec.intra == Link(16e9, 1e-5)
+    assert spec.cards == 2 and spec.inter == Link(12.5e9, 3e-6)
+    assert [spec.card_of(d) for d in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
+    network = Network(spec)
+    assert network.path(0, 1) == network.path(2, 3)  # one bus for the node
+    assert network.path(0, 4)[0] == network.path(3, 5)[0] != network.path(1, 4)[0]
+    again = load_cluster_toml(_write(tmp_path, cluster_to_toml(spec)))
+    assert (again.fabric, again.cards, again.card_devices) == (spec.fabric, spec.cards, spec.card_devices)
+
+
+def test_a_spec_without_a_network_gives_every_device_its_own_wire() -> None:
+    kind = PRESETS["H100"]
+    spec = ClusterSpec((kind, kind), 2, Link(100e9, 1e-6), Link(10e9, 1e-5))
+    network = Network(spec)
+    paths = [network.path(a, b) for a in range(4) for b in range(4) if a != b]
+    assert all(len(p) == 2 for p in paths)
+    assert network.path(0, 2)[0] != network.path(1, 3)[0]
+    assert network.allreduce_s(1e9, [0, 1, 2, 3]) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9 + 2 * 3 * 1e-5)
 
 
 def test_custom_heterogeneous_cluster(tmp_path: Path) -> None:
@@ -68,6 +139,10 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     again = load_cluster_toml(path)
     assert again.node_kinds == spec.node_kinds  # the cpu preset's per-op overhead included
     assert (again.intra, again.inter, again.devices_per_node) == (spec.intra, spec.inter, spec.devices_per_node)
+    assert (again.fabric, again.cards, again.card_devices) == (spec.fabric, spec.cards, spec.card_devices)
+
+
+_FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
 
 
 @pytest.mark.parametrize(
@@ -85,6 +160,14 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
         ('devices_per_node = 8\ndevice = "H100"\n[links.inter_node]\nbandwidth = 1e15\n', "links.inter_node.bandwidth"),
         ('devices_per_node = 8\ndevice = "H100"\n[efficiency]\nmatmul = 1.5\n', "efficiency.matmul"),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
+        ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),
+        ('devices_per_node = 8\ndevice = "H100"\n[network]\ncards = 9\n', "network.cards"),
+        (_FOUR + "[network]\ncards = 2\ncard_devices = [[0, 1], [1, 2]]\n", "network.card_devices"),
+        (_FOUR + "[network]\ncards = 2\ncard_devices = [[0, 1, 2, 3]]\n", "network.card_devices"),
+        ('devices_per_node = 4\ndevice = "H100"\n[network]\nbandwidth = 1e15\n', "network.bandwidth"),
+        ('devices_per_node = 4\ndevice = "H100"\n[network]\nlatency = -1\n', "network.latency"),
+        ('devices_per_node = 4\ndevice = "H100"\n[network]\nspeed = 1\n', "network.speed"),
+        (_FOUR + "[links.inter_node]\nlatency = 1\n[network]\nlatency = 1\n", "links.inter_node"),
     ],
 )
 def test_bad_specs_name_the_field_and_file(tmp_path: Path, text: str, field: str) -> None:
@@ -93,6 +176,12 @@ def test_bad_specs_name_the_field_and_file(tmp_path: Path, text: str, field: str
         load_cluster_toml(path)
     assert f"'{field}'" in str(info.value)
     assert "cluster.toml" in str(info.value)
+
+
+def test_errors_name_the_line_of_the_field(tmp_path: Path) -> None:
+    text = 'devices_per_node = 8\ndevice = "H100"\n\n[network]\ncards = 2\nbandwidth = -5\n'
+    with pytest.raises(ClusterError, match=r"cluster\.toml:6: field 'network\.bandwidth'"):
+        load_cluster_toml(_write(tmp_path, text))
 
 
 def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:

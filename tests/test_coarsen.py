@@ -21,7 +21,7 @@ def _read_profile(path: Path) -> tuple[dict[str, tuple[float, float]], list[tupl
     nodes: dict[str, tuple[float, float]] = {}
     edges = []
     for line in path.read_text().splitlines():
-        if line.startswith("\t"):
+        if line[:1].isspace() and line.strip():  # edges are indented (some files by " \t")
             src, dst = (x.strip() for x in line.strip().split(" -- "))
             edges.append((src, dst))
         elif line.strip():

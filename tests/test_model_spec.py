@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -217,3 +218,72 @@ def test_structure_hash_ignores_the_plan() -> None:
     assert structure_hash(module) == before
     module.ops[1].target = "something_else"
     assert structure_hash(module) != before
+
+
+def test_first_difference_names_the_op_on_each_side() -> None:
+    from dapple_ir.ir.structure import first_difference
+
+    planned = capture_spec("examples/mlp.py:factory")
+    assert first_difference(planned, capture_spec("examples/mlp.py:factory")) is None
+    now = capture_spec("examples/mlp.py:factory")
+    now.ops[3].target = "aten.gelu.default"
+    text = first_difference(planned, now)
+    assert text is not None and text.startswith(f"op #3 is `%{planned.ops[3].name} = ")
+    assert f"{planned.ops[3].target}" in text.split(" in the plan but ")[0]
+    assert "aten.gelu.default" in text.split(" in the plan but ")[1]
+    shorter = capture_spec("examples/mlp.py:factory")
+    del shorter.ops[-1]
+    assert "the plan has 1 more op(s)" in str(first_difference(planned, shorter))
+
+
+def test_a_model_that_changed_since_planning_names_its_first_differing_op(tmp_path: Path) -> None:
+    """The runtime captures the model again; a drift from the plan says where, and what to do."""
+    from dapple_ir.backends.torch.worker import prepare_model
+    from dapple_ir.errors import DappleError
+    from dapple_ir.ir.structure import structure_hash
+    from dapple_ir.plan_dir import Plan
+
+    spec_file = tmp_path / "model.py"
+    spec_file.write_text(
+        FACTORIES.replace("nn.Linear(3, 2), (torch", "nn.Sequential(nn.Linear(3, 2), nn.ReLU()), (torch")
+    )
+    spec = f"{spec_file}:good"
+    planned = capture_spec(spec)
+    plan = Plan(tmp_path, planned, {"model_spec": spec, "model_hash": structure_hash(planned)}, ir_sha256="")
+    prepare_model(plan)  # unchanged: the runtime's capture is the planned one
+    changed = "nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.ReLU()), (torch"
+    spec_file.write_text(FACTORIES.replace("nn.Linear(3, 2), (torch", changed))
+    os.utime(spec_file, (1e9, 1e9))  # a new modification time: the process's cache of captures must not answer
+    first = r"op #\d+ is `%mse_loss = .*` in the plan but `%\w+ = call_module @\"2\"\(.*` in the model now"
+    with pytest.raises(DappleError, match=rf"no longer matches the plan in .*: {first}\. .*recompile the plan") as err:
+        prepare_model(plan)
+    assert "structure hash" not in str(err.value)
+
+
+def test_a_graph_fixed_to_its_example_batch_is_refused_for_other_microbatches(tmp_path: Path) -> None:
+    from dapple_ir.backends.torch.worker import prepare_model
+    from dapple_ir.errors import DappleError
+    from dapple_ir.frontend.model_spec import capture_loaded
+    from dapple_ir.ir.structure import structure_hash
+    from dapple_ir.plan_dir import Plan
+
+    spec_file = tmp_path / "fixed.py"
+    spec_file.write_text(
+        "import torch\n"
+        "class Fixed(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(3, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.reshape(4, 3)).sum()  # the batch of 4 is written into the model\n"
+        "def factory():\n"
+        "    return Fixed(), (torch.randn(4, 3),)\n"
+    )
+    loaded = load_model_spec(f"{spec_file}:factory", device="meta")
+    assert isinstance(loaded, FactoryResult)
+    captured = capture_loaded(loaded, method="export", annotate_costs=False)
+    assert not captured.any_batch
+    meta = {"model_spec": f"{spec_file}:factory", "model_hash": structure_hash(captured.module)}
+    prepare_model(Plan(tmp_path, captured.module, {**meta, "microbatch_size": 4}, ir_sha256=""))
+    with pytest.raises(DappleError, match=r"only runs at the batch it was captured at \(4\).* microbatches of 2"):
+        prepare_model(Plan(tmp_path, captured.module, {**meta, "microbatch_size": 2}, ir_sha256=""))

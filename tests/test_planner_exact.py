@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
 from dapple_ir.cluster.spec import ClusterSpec, Link, parse_shorthand
-from dapple_ir.planner.cost_model import Candidate, Problem, StageChoice, candidate, evaluate, place
+from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, StageChoice, candidate, evaluate, place
 from dapple_ir.planner.dp import replica_choices, solve
 from dapple_ir.planner.ilp import solve_ilp
 
@@ -38,9 +39,14 @@ def _problem(
 
 
 def _exhaustive(
-    problem: Problem, microbatches: int, schedule: str, stages: int | None = None, policy: str = "append-first"
+    problem: Problem,
+    microbatches: int,
+    schedule: str,
+    stages: int | None = None,
+    policy: str = "append-first",
+    time: Callable[[Estimate], float] = lambda e: e.iteration_s,
 ) -> float:
-    """Every contiguous partition × every replica vector, placed by `policy`, best fitting time."""
+    """Every contiguous partition × every replica vector, placed by `policy`, best fitting `time`."""
     layers, best = problem.layers, math.inf
     choices = replica_choices(problem.cluster)
     for s in range(1, layers + 1):
@@ -54,7 +60,7 @@ def _exhaustive(
                     continue
                 est = evaluate(problem, cand)
                 if est.fits:
-                    best = min(best, est.iteration_s)
+                    best = min(best, time(est))
     return best
 
 
@@ -73,6 +79,46 @@ def test_dp_matches_exhaustive_search(seed: int) -> None:
             continue
         assert got is not None
         assert evaluate(problem, got).iteration_s == pytest.approx(want, rel=1e-9)
+
+
+def _shared_cards(fabric: str, cards: int) -> ClusterSpec:
+    """Two nodes of four V100s whose cards are slow enough for the card floor to bind."""
+    kind = parse_shorthand("1xV100-16GB").node_kinds[0]
+    return ClusterSpec((kind, kind), 4, Link(25e9, 5e-6), Link(0.5e9, 2e-5), name="shared", fabric=fabric, cards=cards)
+
+
+@pytest.mark.parametrize(("fabric", "cards", "seed"), [("bus", 2, 10), ("switch", 1, 11), ("switch", 2, 12)])
+def test_dp_matches_exhaustive_search_with_shared_cards(fabric: str, cards: int, seed: int) -> None:
+    """Cuts and allreduces that share a node's cards add up on them: the DP carries every card's load."""
+    problem = _problem(seed, layers=4, cluster=_shared_cards(fabric, cards))
+    for m, schedule, policy in ((4, "1f1b", "append-first"), (8, "gpipe", "scatter-first")):
+        want = _exhaustive(problem, m, schedule, policy=policy)
+        got = solve(problem, m, schedule, policy, front=None)
+        assert got is not None
+        assert evaluate(problem, got).iteration_s == pytest.approx(want, rel=1e-9)
+
+
+def test_the_card_floor_moves_the_optimum_of_these_problems() -> None:
+    """The DP tests above would not notice a floor the optimum never reaches: on each of these
+    problems, the best gpipe plan by the whole cost model is slower than the best by the pipeline
+    formula alone (the floor left out), so the DP has to weigh the cards to match."""
+    for fabric, cards, seed in (("bus", 2, 10), ("switch", 1, 11), ("switch", 2, 12)):
+        problem = _problem(seed, layers=4, cluster=_shared_cards(fabric, cards))
+        whole = _exhaustive(problem, 8, "gpipe", policy="scatter-first")
+        pipeline = _exhaustive(
+            problem, 8, "gpipe", policy="scatter-first", time=lambda e: e.pipeline_s + e.allreduce_tail_s
+        )
+        assert whole > pipeline * 1.01
+
+
+@pytest.mark.parametrize(("fabric", "cards", "seed"), [("bus", 2, 10), ("switch", 1, 13), ("bus", 1, 14)])
+def test_ilp_matches_exhaustive_search_with_shared_cards(fabric: str, cards: int, seed: int) -> None:
+    problem = _problem(seed, layers=4, cluster=_shared_cards(fabric, cards))
+    for stages in (2, 3):
+        want = _exhaustive(problem, 8, "gpipe", stages=stages)
+        found = solve_ilp(problem, stages, 8, "gpipe", time_limit_s=20)
+        assert found is not None and found.optimal
+        assert found.estimate.iteration_s == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -122,7 +168,7 @@ def test_equal_stages_free_links_give_the_closed_form() -> None:
 
 
 def test_unhidden_allreduce_and_transfer_by_hand() -> None:
-    # Two stages on one node of two devices... stage 0 replicated twice on node 0, stage 1 on node 1.
+    # Stage 0 replicated twice on node 0, stage 1 on node 1: DAPPLE's V100 servers, one card each.
     cluster = parse_shorthand("2x2xV100-16GB")
     problem = Problem(
         [0.1, 0.1],
@@ -138,15 +184,35 @@ def test_unhidden_allreduce_and_transfer_by_hand() -> None:
     )
     stages = (StageChoice(0, 1, (0, 1)), StageChoice(1, 2, (2,)))
     est = evaluate(problem, Candidate(stages, 4, "1f1b"))
-    # Microbatch of 1: F = 0.025, B = 0.05 per stage; the cut of 1e8/4 bytes crosses nodes (1 GB/s).
+    # Microbatch of 1: F = 0.025, B = 0.05 per stage; the cut of 1e8/4 bytes crosses nodes through
+    # a 25 Gbit/s card (3.125 GB/s, 20 us).
     f, b = 0.025, 0.05
-    c = 20e-6 + 2.5e7 / 1e9
+    card = 25e9 / 8
+    c = 20e-6 + 2.5e7 / card
     busy0, busy1 = 2 * (f + b), 4 * (f + b)
     g = max(busy0, f + b + 2 * c + busy1)
-    ar = 2 * 1 / 2 * 1e9 / 25e9 + 2 * 5e-6  # ring over two devices of node 0 (25 GB/s)
+    ar = 2 * 1 / 2 * 1e9 / 25e9 + 2 * 5e-6  # ring over two devices of node 0 (25 GB/s ports)
     h = ar  # stage 0 is first: nothing of the drain hides it
     assert est.pipeline_s == pytest.approx(g)
     assert est.iteration_s == pytest.approx(g + max(0.0, h))
+    # Card floor: all 4 activations leave through node 0's card, all 4 gradients come back in.
+    assert est.floor_s == pytest.approx(4 * 2.5e7 / card)
+    # The busiest link is a port of the ring, though: one step of 1e9 bytes at 25 GB/s.
+    assert est.busiest_s == pytest.approx(1e9 / 25e9)
+    assert est.busiest_link.startswith(("dev0 port", "dev1 port"))
+
+
+def test_card_floor_bounds_the_estimate_by_hand() -> None:
+    # Data parallel over both nodes of 2x2: the ring 0-1-2-3-0 crosses each card once each way, so
+    # each card carries one step of 2(n-1)/n * 8e9 bytes; no cut. Compute is tiny: the floor binds.
+    cluster = parse_shorthand("2x2xV100-16GB")
+    problem = Problem([1e-3], [2e-3], [0.0], [0.0], [8e9], [0.0], cluster, global_batch=4, cost_batch=4, batch=4)
+    est = evaluate(problem, Candidate((StageChoice(0, 1, (0, 1, 2, 3)),), 4, "1f1b"))
+    step = 2 * 3 / 4 * 8e9
+    assert est.floor_s == pytest.approx(step / (25e9 / 8))
+    # The ring alone: its slowest steps cross the cards (one step each), 6 rounds of 20 us latency.
+    assert est.allreduce_tail_s == pytest.approx(step / (25e9 / 8) + 6 * 20e-6)
+    assert est.iteration_s >= est.floor_s
 
 
 def test_placement_policies() -> None:

@@ -81,8 +81,9 @@ def test_a_registered_schedule_is_planned_with_and_simulated() -> None:
         PassManager(build_pipeline("schedule,lower-comm,insert-frees,verify")).run(module, ctx)
     assert module.attrs.schedule == "test-reverse-gpipe"
     chosen = next(line for line in ctx.reports["plan"] if line.endswith("CHOSEN"))
-    # model ms, sim ms, peak GB: the chosen plan was simulated under the registered schedule.
-    assert re.search(r"test-reverse-gpipe +[0-9.]+ +[0-9.]+ +[0-9.]+ +CHOSEN$", chosen), chosen
+    # model ms, sim ms, peak GB, busiest link and its share: the chosen plan was simulated under the
+    # registered schedule.
+    assert re.search(r"test-reverse-gpipe +[0-9.]+ +[0-9.]+ +[0-9.]+ +\S.* +(-|[0-9]+) +CHOSEN$", chosen), chosen
     backwards = [i.mb for i in module.programs[0].instrs if i.kind is InstrKind.BACKWARD]
     assert backwards == sorted(backwards, reverse=True)
 

@@ -358,14 +358,19 @@ def test_allreduce_waits_for_the_whole_group() -> None:
 
 
 def test_send_does_not_block_the_sender() -> None:
-    """A slow link delays the receiver only: rank 0's next forward starts when the send issues."""
+    """A slow link delays the receiver only: rank 0's next forward starts when the send issues.
+
+    The two 1e9-byte transfers share rank 0's port (100 MB/s): the first runs alone from 1 s to 2 s
+    (1e8 bytes), then both at 50 MB/s until the first is through at 2 + 9e8 / 5e7 = 20 s; the second,
+    alone again, has 1e8 bytes left: 21 s. Each arrives 1 ms (the latency) later.
+    """
     order = [gpipe_order(s, 2, 2) for s in range(2)]
-    module = pipeline_module(2, 2, order, out_bytes=1e9)  # 1e9 B over 100 MB/s: 10 s per transfer
+    module = pipeline_module(2, 2, order, out_bytes=1e9)
     result = simulate(module, cluster=small_cluster())
     starts = {(e.rank, e.instr.kind, e.instr.mb): e.start_s for e in result.events()}
     assert starts[(0, F, 1)] == pytest.approx(1.0)
-    assert starts[(1, F, 0)] == pytest.approx(1.0 + 10.001)
-    assert starts[(1, F, 1)] == pytest.approx(2.0 + 10.001)
+    assert starts[(1, F, 0)] == pytest.approx(20.001)
+    assert starts[(1, F, 1)] == pytest.approx(21.001)
 
 
 def test_deadlock_names_the_stuck_ranks() -> None:

@@ -6,7 +6,7 @@ CPU, NCCL on CUDA; rendezvous on 127.0.0.1 unless told otherwise, multi-node wit
 in-process transport (tests, single-GPU machines). Either way each rank reports into a run
 directory, and this module aggregates: the loss of every step, samples/s, peak memory per rank, the
 measured timeline (`timeline_measured.json`, the simulator's trace format), and with `check=True`
-the comparison against single-device training.
+the comparison against single-device training (`_check` says what is compared, and why so).
 
 A failing rank writes its error and stops; the others stop within the timeout (their waits are
 bounded, torchrun ends the group), and `run` raises `RuntimeFailure` with the first failing rank's
@@ -32,6 +32,8 @@ import torch
 import torch.distributed
 
 from dapple_ir import plan_dir
+from dapple_ir.backends.torch.random_draws import Site
+from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, NORMALISING, RTOL
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
 from dapple_ir.backends.torch.worker import (
     RunOptions,
@@ -48,18 +50,28 @@ from dapple_ir.errors import DappleError, RuntimeFailure
 from dapple_ir.plan_dir import Plan, load_plan
 from dapple_ir.sim.trace import MemorySample, Span, Timeline, write_trace
 
-#: fp32 tolerances of PyTorch's own pipelining tests.
-RTOL, ATOL = 1e-5, 4e-5
-
 
 @dataclass
 class CheckResult:
-    """Pipelined vs single-device training after the same steps."""
+    """Pipelined vs single-device training after the same steps (see `_check` for the rule)."""
 
     max_loss_diff: float
     max_param_diff: float
     worst_param: str
     ok: bool
+    max_grad_diff: float = 0.0
+    """Largest difference of a gradient of step 0, relative to the largest reference gradient."""
+    worst_grad: str = ""
+    max_buffer_diff: float = 0.0
+    worst_buffer: str = ""
+    noise_elements: int = 0
+    """Parameter elements compared by gradient only (noise-level gradient under Adam or AdamW)."""
+    averaged_buffers: int = 0
+    """Buffers of replicated stages: averaged over replicas (checked equal there), not compared to the reference."""
+    failures: list[str] = field(default_factory=list)
+    """What differs beyond tolerance, one line each (the first few)."""
+    notes: list[str] = field(default_factory=list)
+    """What may explain the failures (where the runs part, a model that amplifies rounding)."""
 
 
 @dataclass
@@ -78,6 +90,12 @@ class RunResult:
     timeline: Path | None
     params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     """Final parameters per rank, `stage/name` keys."""
+    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """Final buffers per rank, `stage/name` keys."""
+    grads: dict[int, dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict, repr=False)
+    """With `check`: per rank, by step (step 0 only), the gradients the optimizer saw (`stage/name` keys)."""
+    sites: list[Site] = field(default_factory=list, repr=False)
+    """The random draws of one microbatch's forward, every stage's, in graph order."""
     check: CheckResult | None = None
 
 
@@ -114,6 +132,7 @@ def run(
         save=str(save) if save is not None else None,
         resume=str(resume) if resume is not None else None,
         device=_pick_device(device, transport, plan.ranks // max(nnodes, 1)),
+        check=check,
     )
     if transport not in ("threads", "torchrun"):
         raise DappleError(f"unknown transport '{transport}'; choose torchrun or threads")
@@ -126,14 +145,15 @@ def run(
     if transport == "torchrun":
         _check_torchrun_can_start(rdzv_endpoint, node_rank)
     # Threads share this process's cores: one intra-op pool per rank would oversubscribe them, and
-    # spinning pools on a busy machine run many times slower than a single thread each.
-    threads = max(1, (os.cpu_count() or 1) // plan.ranks) if transport == "threads" else torch.get_num_threads()
+    # spinning pools on a busy machine run many times slower than a single thread each. The reference
+    # runs with the ranks' thread count too: CPU kernels then split their sums alike and round alike.
+    threads = max(1, (os.cpu_count() or 1) // plan.ranks) if transport == "threads" else _worker_threads()
     with _intra_op_threads(threads):
         if transport == "threads":
-            reports, params = _run_threads(plan, options)
+            reports, states = _run_threads(plan, options)
         else:
-            reports, params = _run_torchrun(plan, options, nnodes, node_rank, rdzv_endpoint)
-        result = _aggregate(plan, reports, params)
+            reports, states = _run_torchrun(plan, options, nnodes, node_rank, rdzv_endpoint)
+        result = _aggregate(plan, reports, states)
         if check:
             result.check = _check(plan, result, opt, rate)
     return result
@@ -147,6 +167,14 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _worker_threads() -> int:
+    """Intra-op threads of a torchrun worker (`_run_torchrun` passes OMP_NUM_THREADS, 1 unless set)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
 
 
 def _pick_device(device: str, transport: str, per_node: int) -> str:
@@ -290,8 +318,8 @@ def _run_torchrun(
     if errors or code != 0 or silent:
         message = _first_failure(errors, silent, _root_cause(log_path.read_text()))
         raise RuntimeFailure(f"{message} (worker output: {log_path})")
-    params = {r: torch.load(run_dir / f"rank_{r}_params.pt", weights_only=True) for r in local}
-    return reports, params
+    states = {r: torch.load(run_dir / f"rank_{r}_params.pt", weights_only=True) for r in local}
+    return reports, states
 
 
 def _root_cause(log: str) -> tuple[int, int] | None:
@@ -331,7 +359,7 @@ def _first_failure(errors: dict[int, dict[str, Any]], silent: set[int], root: tu
 # ------------------------------------------------------------------------------- aggregation
 
 
-def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], params: dict[int, dict[str, Any]]) -> RunResult:
+def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int, dict[str, Any]]) -> RunResult:
     per_step: dict[int, dict[int, float]] = {}
     for report in reports.values():
         for step, mbs in report["losses"].items():
@@ -357,8 +385,24 @@ def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], params: dict[int,
         peak_bytes=[int(reports[r]["peak_bytes"]) for r in sorted(reports)],
         devices=[str(reports[r]["device"]) for r in sorted(reports)],
         timeline=timeline,
-        params=params,
+        params={r: state["params"] for r, state in states.items()},
+        buffers={r: state["buffers"] for r, state in states.items()},
+        grads={r: state["grads"] for r, state in states.items()},
+        sites=_sites_in_graph_order(plan, states),
     )
+
+
+def _sites_in_graph_order(plan: Plan, states: dict[int, dict[str, Any]]) -> list[Site]:
+    """Every stage's random draws (replicas report the same), ordered as the model's ops run."""
+    order = {op.name: i for i, op in enumerate(plan.module.ops)}
+    sites: set[Site] = set()
+    for state in states.values():
+        for stage, drawn in state["sites"].items():
+            for op, index in drawn:
+                if op not in order:
+                    raise RuntimeFailure(f"stage @{stage} drew random numbers in %{op}, an op the plan does not have")
+                sites.add((op, int(index)))
+    return sorted(sites, key=lambda site: (order[site[0]], site[1]))
 
 
 def _step_windows(reports: dict[int, dict[str, Any]]) -> dict[int, tuple[float, float]]:
@@ -396,6 +440,18 @@ def _write_timeline(plan: Plan, reports: dict[int, dict[str, Any]], windows: dic
 
 
 def _check(plan: Plan, result: RunResult, optimizer: str, lr: float) -> CheckResult:
+    """Train the reference and compare what is meaningful (the rule `dapple run --help` states):
+
+    - the loss of every step run, within ATOL + RTOL of the reference's;
+    - every parameter copy's gradient at step 0, where both start from the same parameters (what the
+      pipeline computes; the optimizer is the same code on both sides), within RTOL of the element plus
+      GRAD_ATOL of the step's largest (later gradients follow the parameters, which the next items check);
+    - every parameter copy after the last step, within ATOL + RTOL, except under Adam and AdamW the
+      elements whose reference gradient was at noise level (NOISE_FLOOR) in some step: their
+      gradients were compared, and their steps are noise normalised to the learning rate;
+    - buffers of unreplicated stages like parameters; a replicated stage's buffers are averaged over
+      its replicas (its microbatches are not run in one sequence), so they must agree across them.
+    """
     from dapple_ir.backends.torch.reference import train_reference
 
     ref = train_reference(
@@ -406,21 +462,166 @@ def _check(plan: Plan, result: RunResult, optimizer: str, lr: float) -> CheckRes
         microbatch_size=plan.microbatch_size,
         optimizer=optimizer,
         lr=lr,
+        sites=result.sites,
     )
-    ok = True
-    loss_diff = 0.0
-    for got, want in zip(result.losses, ref.losses[result.first_step :], strict=True):
-        loss_diff = max(loss_diff, abs(got - want))
-        ok &= abs(got - want) <= ATOL + RTOL * abs(want)
-    param_diff, worst = 0.0, ""
+    scales = [max((float(g.abs().max()) for g in step.values() if g.numel()), default=0.0) for step in ref.grads]
+    failures: list[str] = []
+    bad_steps: set[int] = set()
+    loss = _Worst()
+    for step, (got, want) in enumerate(
+        zip(result.losses, ref.losses[result.first_step :], strict=True), result.first_step
+    ):
+        loss.add(abs(got - want), f"step {step}")
+        if abs(got - want) > ATOL + RTOL * abs(want):
+            failures.append(f"loss of step {step}: {got:.7g}, the reference {want:.7g}")
+            bad_steps.add(step)
+    grad = _compare_grads(result, ref.grads, scales, failures, bad_steps)
+    noisy = _noise_masks(ref.grads, scales) if optimizer in NORMALISING else {}
+    param = _Worst()
     for rank, tensors in result.params.items():
         for key, value in tensors.items():
             name = key.split("/", 1)[1]
             if name not in ref.params:
                 raise RuntimeFailure(f"rank {rank} holds parameter {name} that the reference model does not have")
-            want = ref.params[name]
-            diff = float((value - want).abs().max()) if value.numel() else 0.0
-            if diff >= param_diff:
-                param_diff, worst = diff, f"{name} on rank {rank}"
-            ok &= torch.allclose(value, want, rtol=RTOL, atol=ATOL)
-    return CheckResult(loss_diff, param_diff, worst, bool(ok))
+            mask = noisy.get(name)
+            _compare(value, ref.params[name], mask, f"parameter {name} on rank {rank}", param, failures)
+    buffer, averaged = _compare_buffers(plan, result, ref.buffers, failures)
+    return CheckResult(
+        max_loss_diff=loss.diff,
+        max_param_diff=param.diff,
+        worst_param=param.where,
+        ok=not failures,
+        max_grad_diff=grad.diff,
+        worst_grad=grad.where,
+        max_buffer_diff=buffer.diff,
+        worst_buffer=buffer.where,
+        noise_elements=sum(int(m.sum()) for m in noisy.values()),
+        averaged_buffers=averaged,
+        failures=failures[:_SHOWN] + ([f"... and {len(failures) - _SHOWN} more"] if len(failures) > _SHOWN else []),
+        notes=_notes(result, ref.batch_norm_values, bad_steps) if failures else [],
+    )
+
+
+#: Batch norm over at most this many values per channel is noted as a likely amplifier of rounding.
+_FEW_VALUES = 32
+
+
+def _notes(result: RunResult, batch_norm_values: dict[str, int], bad_steps: set[int]) -> list[str]:
+    """Hints for a failed check: whether the first step agreed, and batch norms that amplify rounding."""
+    notes = []
+    if result.grads and result.first_step == 0 and 0 not in bad_steps:
+        notes.append(
+            "the first step agrees (its loss and every gradient), the runs part after it: either training "
+            "amplifies rounding differences, or something after the first optimizer step differs (optimizer "
+            "state, zeroing of gradients)"
+        )
+    few = sorted((count, name) for name, count in batch_norm_values.items() if count <= _FEW_VALUES)
+    if few:
+        count, name = few[0]
+        notes.append(
+            f"batch norm {name} normalises over only {count} value(s) per channel (microbatch size x spatial "
+            "size): near ties its gradient grows like 1/sqrt(eps), amplifying rounding (a replicated stage sums "
+            "microbatch gradients in another order than one device) into a different training; use larger "
+            "microbatches, fewer replicas or GroupNorm where runs must agree exactly"
+        )
+    return notes
+
+
+#: Failures listed in a check's report; the rest are counted.
+_SHOWN = 5
+
+
+@dataclass
+class _Worst:
+    """The largest difference seen so far and where."""
+
+    diff: float = 0.0
+    where: str = ""
+
+    def add(self, diff: float, where: str) -> None:
+        if diff > self.diff or not self.where:
+            self.diff, self.where = diff, where
+
+
+def _compare_grads(
+    result: RunResult,
+    ref_grads: list[dict[str, torch.Tensor]],
+    scales: list[float],
+    failures: list[str],
+    bad_steps: set[int],
+) -> _Worst:
+    worst = _Worst()
+    for rank, steps in result.grads.items():
+        for step, grads in sorted(steps.items()):
+            scale = scales[step]
+            for key, value in grads.items():
+                name = key.split("/", 1)[1]
+                if name not in ref_grads[step]:
+                    continue  # the parameter comparison names it
+                want = ref_grads[step][name]
+                diff = (value - want).abs()
+                where = f"gradient of {name} on rank {rank} at step {step}"
+                worst.add(float(diff.max()) / scale if scale > 0 and diff.numel() else 0.0, where)
+                if bool((diff > RTOL * want.abs() + GRAD_ATOL * scale).any()):
+                    bad_steps.add(step)
+                    failures.append(
+                        f"{where}: max |diff| {float(diff.max()):.3g}, allowed {RTOL:g} of the element plus "
+                        f"{GRAD_ATOL * scale:.3g} ({GRAD_ATOL:g} of the step's largest gradient, {scale:.3g})"
+                    )
+    return worst
+
+
+def _noise_masks(ref_grads: list[dict[str, torch.Tensor]], scales: list[float]) -> dict[str, torch.Tensor]:
+    """Per parameter, the elements whose reference gradient was at noise level in some step."""
+    masks: dict[str, torch.Tensor] = {}
+    for grads, scale in zip(ref_grads, scales, strict=True):
+        for name, g in grads.items():
+            low = g.abs() <= NOISE_FLOOR * scale
+            masks[name] = masks[name] | low if name in masks else low
+    return masks
+
+
+def _compare(
+    got: torch.Tensor, want: torch.Tensor, skip: torch.Tensor | None, where: str, worst: _Worst, failures: list[str]
+) -> None:
+    """Elementwise within ATOL + RTOL (integers exactly), leaving out the elements `skip` marks."""
+    if got.shape != want.shape:
+        failures.append(f"{where}: shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
+        return
+    if not got.is_floating_point():
+        worst.add(0.0 if torch.equal(got, want) else float("inf"), where)
+        if not torch.equal(got, want):
+            failures.append(f"{where}: {got.tolist()}, the reference {want.tolist()}")
+        return
+    diff = (got - want).abs()
+    bad = diff > ATOL + RTOL * want.abs()
+    if skip is not None:
+        diff, bad = diff.masked_fill(skip, 0.0), bad & ~skip
+    worst.add(float(diff.max()) if diff.numel() else 0.0, where)
+    if bool(bad.any()):
+        failures.append(f"{where}: max |diff| {float(diff.max()):.3g} in {int(bad.sum())} element(s)")
+
+
+def _compare_buffers(
+    plan: Plan, result: RunResult, ref_buffers: dict[str, torch.Tensor], failures: list[str]
+) -> tuple[_Worst, int]:
+    """Unreplicated stages' buffers against the reference; replicated stages' across their replicas."""
+    replicas = {stage.name: stage.attrs.replicas or 1 for stage in plan.module.stages}
+    worst = _Worst()
+    copies: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for rank, tensors in result.buffers.items():
+        for key, value in tensors.items():
+            stage, name = key.split("/", 1)
+            if name not in ref_buffers:
+                continue  # a constant of the graph (export lifts some), not state of the model
+            if replicas.get(stage, 1) > 1:
+                copies.setdefault(key, []).append((rank, value))
+            else:
+                _compare(value, ref_buffers[name], None, f"buffer {name} on rank {rank}", worst, failures)
+    for key, held in copies.items():
+        first_rank, first = held[0]
+        for rank, value in held[1:]:
+            if not torch.equal(value, first):
+                stage, name = key.split("/", 1)
+                failures.append(f"buffer {name} differs between replicas of @{stage} (ranks {first_rank} and {rank})")
+    return worst, len(copies)

@@ -1,18 +1,21 @@
 """Single-device reference training, the oracle that `dapple run --check` compares a pipeline against.
 
-It shares nothing with the pipelined path but the model spec, the seed, the data convention and the
-optimizer choice: the original `nn.Module` (not the captured graph) runs each of the M microbatches
-of the global batch, each loss is scaled by 1/M, gradients accumulate, and the optimizer steps.
+It shares nothing with the pipelined path but the model spec, the seed, the data convention, the
+optimizer choice and the rule that seeds random draws: the original `nn.Module` (not the captured
+graph) runs each of the M microbatches of the global batch, each loss is scaled by 1/M, gradients
+accumulate, and the optimizer steps. Its k-th random draw in a microbatch takes the k-th of `sites`
+(the pipeline's draws in graph order), so dropout masks equal the pipeline's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dapple_ir.backends.torch.data import check_batch, data_function, microbatch, synthetic_batch
+from dapple_ir.backends.torch.random_draws import Site, drawing_in_order
 from dapple_ir.backends.torch.runtime import make_optimizer
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
@@ -24,6 +27,16 @@ class ReferenceResult:
     """Mean microbatch loss of each step, from step 0."""
     params: dict[str, torch.Tensor]
     """Trainable parameters after the last step, by model name."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Buffers (running statistics) after the last step, by model name."""
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """The gradient of every trainable parameter the optimizer saw at each step (zeros where none)."""
+    batch_norm_values: dict[str, int] = field(default_factory=dict)
+    """Per batch-norm module, the fewest values per channel it normalised over (batch x spatial)."""
+
+
+#: Batch-norm module types whose per-channel statistics the reference watches.
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 def train_reference(
@@ -35,8 +48,13 @@ def train_reference(
     microbatch_size: int,
     optimizer: str,
     lr: float,
+    sites: list[Site] | tuple[Site, ...] = (),
 ) -> ReferenceResult:
-    """Train `spec`'s model for `steps` steps on one CPU device, microbatched like the plan."""
+    """Train `spec`'s model for `steps` steps on one CPU device, microbatched like the plan.
+
+    `sites` are the random draws of one microbatch's forward in order (`random_draws`); a model that
+    draws more or fewer is an error, since its dropout masks could not be matched.
+    """
     loaded = load_model_spec(spec, device="cpu", seed=seed)
     if not isinstance(loaded, FactoryResult):
         raise DappleError(f"model spec {spec} is an imported profile: there is no model to train")
@@ -46,8 +64,11 @@ def train_reference(
     examples = (*loaded.example_inputs, *(loaded.example_kwargs or {}).values())
     data_fn = data_function(spec)
     global_batch = microbatches * microbatch_size
-    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = make_optimizer(optimizer, list(trainable.values()), lr)
     losses: list[float] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    values = _watch_batch_norms(model)
     for step in range(steps):
         if data_fn is not None:
             inputs, targets = data_fn(step, global_batch, seed)
@@ -61,13 +82,37 @@ def train_reference(
             ts = microbatch(targets, mb, microbatch_size)
             positional = xs[: len(xs) - len(kw_names)]
             keywords = dict(zip(kw_names, xs[len(xs) - len(kw_names) :], strict=True))
-            loss = _loss(model(*positional, **keywords), loaded.loss_fn, ts)
+            with drawing_in_order(seed, step, mb, list(sites), f"the model of {spec} (the reference)"):
+                loss = _loss(model(*positional, **keywords), loaded.loss_fn, ts)
             (loss / microbatches).backward()
             total += float(loss.detach())
+        grads.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in trainable.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / microbatches)
-    return ReferenceResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return ReferenceResult(
+        losses,
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {n: b.detach().clone() for n, b in model.named_buffers()},
+        grads,
+        values,
+    )
+
+
+def _watch_batch_norms(model: torch.nn.Module) -> dict[str, int]:
+    """Record, per batch norm, the fewest values per channel it normalises over (few values amplify rounding)."""
+    seen: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _BATCH_NORMS):
+
+            def record(m: torch.nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                x = args[0] if args else None
+                if m.training and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1]:
+                    count = x.numel() // x.shape[1]
+                    seen[name] = min(seen.get(name, count), count)
+
+            module.register_forward_pre_hook(record)
+    return seen
 
 
 def _loss(output: Any, loss_fn: Any, targets: tuple[Any, ...]) -> torch.Tensor:

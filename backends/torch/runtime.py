@@ -7,6 +7,10 @@ scaled loss; the autograd graph hangs off them). Stage boundaries cut autograd: 
 reads from outside becomes a fresh leaf, and its gradient is handed on explicitly — by `send grad`
 to another rank, or through the gradient store to a stage on this rank.
 
+Random draws (dropout) are seeded per op and microbatch (`random_draws`), so they do not depend on
+the split. A replicated stage's buffers (batch-norm running statistics) are averaged over its
+replicas by its `allreduce`. With `record_grads` it keeps the gradients of step 0 for `--check`.
+
 It measures as it goes: a span per instruction (the simulator's trace schema) and the bytes it
 holds after each instruction that can add to them (CPU: parameters, gradients, optimizer state, stored values and the
 tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak).
@@ -25,6 +29,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from dapple_ir.backends.torch.data import microbatch
+from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.transport import Pending, Transport, TransportError
 from dapple_ir.errors import DappleError
@@ -112,6 +117,8 @@ class Runtime:
         timeout: float,
         device: torch.device,
         tied: set[str] | None = None,
+        seed: int = 0,
+        record_grads: bool = False,
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -122,6 +129,12 @@ class Runtime:
         self.timeout = timeout
         self.device = device
         self.tied = tied or set()
+        self.seed = seed
+        self.record_grads = record_grads
+        self.draws = {name: StageDraws(f"stage @{name}") for name in stages}
+        self.recorded_grads: dict[int, dict[str, torch.Tensor]] = {}
+        """With `record_grads`: the gradients the optimizer saw at step 0 (where a pipeline and one device start
+        from the same parameters), keyed `stage/name`, by step."""
         unique: dict[int, torch.nn.Parameter] = {}
         for sm in stages.values():
             sm.graph_module.to(device)
@@ -188,7 +201,7 @@ class Runtime:
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                results = sm.graph_module(*args)
+                results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
             for name, value in zip(sm.outputs, results, strict=False):
                 rec.outputs[name] = value
                 self.values[(name, mb)] = value
@@ -275,10 +288,10 @@ class Runtime:
     def recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
         with self._instr("recv", None, mb, peer):
             payload = self._to_device(self.transport.recv(peer, self._tag(value, mb, grad), self.timeout))
-            if grad:
-                self._add_grad(value, mb, payload)
-            else:
+            if not grad:
                 self.values[(value, mb)] = payload
+            elif payload is not None:  # None: the gradient of a non-tensor (a size), which has none
+                self._add_grad(value, mb, payload)
 
     def free(self, value: str, mb: int, grad: bool = False) -> None:
         with self._instr("free", None, mb, None):
@@ -294,6 +307,7 @@ class Runtime:
             # Tied parameters are left to their own `allreduce param` over every rank holding a copy.
             params = [p for name, p in self._stage(stage).params.items() if name not in self.tied]
             self._reduce(params, tuple(group))
+            self._average_buffers(stage, tuple(group))
 
     def allreduce_param(self, param: str, group: tuple[int, ...]) -> None:
         with self._instr("allreduce", param, None, None):
@@ -304,6 +318,12 @@ class Runtime:
 
     def optimizer_step(self) -> None:
         with self._instr("optimizer_step", None, None, None):
+            if self.record_grads and self.step == 0:
+                self.recorded_grads[self.step] = {
+                    f"{stage}/{name}": (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+                    for stage, sm in self.stages.items()
+                    for name, p in sm.params.items()
+                }
             if self.optimizer is not None:
                 self.optimizer.step()
                 # Zeroed, not freed: gradient buffers live for the whole run, as the IR's static bytes say, so
@@ -413,14 +433,13 @@ class Runtime:
         key = (name, mb)
         self.grads[key] = self.grads[key] + g if key in self.grads else g
 
-    def _grad_to_send(self, name: str, mb: int) -> torch.Tensor:
+    def _grad_to_send(self, name: str, mb: int) -> torch.Tensor | None:
         if (name, mb) in self.grads:
             return self.grads[(name, mb)]
         value = self._value(name, mb, "send grad")
-        if isinstance(value, torch.Tensor):
-            # No stage here depended on it differentiably: its gradient is zero.
-            return torch.zeros_like(value)
-        raise DappleError(f"%{name} is not a tensor, so it has no gradient to send")
+        # No stage here depended on it differentiably: a tensor's gradient is zero; a size has none, and
+        # the empty message only keeps the send matched with its receive.
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else None
 
     def _release(self, stage: str, mb: int, rec: _Record) -> None:
         # The backward is this microbatch's last use of what the stage produced and loaded: every send
@@ -453,6 +472,26 @@ class Runtime:
                 p.grad.copy_(part)
             offset += p.numel()
 
+    def _average_buffers(self, stage: str, group: tuple[int, ...]) -> None:
+        """Replace the stage's floating-point buffers by their mean over the stage's replicas.
+
+        Each replica updated its running statistics with its own microbatches only; the mean keeps the
+        replicas equal. Summed in float64, buffers that agree already (constants) keep their exact value.
+        """
+        held = self._stage(stage).graph_module.buffers()
+        buffers = [b for b in held if b.is_floating_point() and (id(b), group) not in self.reduced]
+        self.reduced.update((id(b), group) for b in buffers)
+        if len(group) < 2 or not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        self.transport.allreduce(flat, group, self.timeout)
+        flat /= len(group)
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
     def _tag(self, value: str, mb: int, grad: bool) -> int:
         if value not in self.value_ids:
             raise DappleError(f"%{value} is not a value of the plan")
@@ -460,6 +499,18 @@ class Runtime:
 
     def _to_device(self, value: Any) -> Any:
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    # ------------------------------------------------------------------------------ results
+
+    def final_state(self) -> dict[str, Any]:
+        """What the rank ends with, on the CPU: `params` and `buffers` keyed `stage/name` (every copy),
+        the recorded `grads` by step, and the random-draw `sites` of each stage (what `--check` needs)."""
+        params, buffers = {}, {}
+        for stage, sm in self.stages.items():
+            params.update({f"{stage}/{n}": p.detach().cpu().clone() for n, p in sm.params.items()})
+            buffers.update({f"{stage}/{n}": b.detach().cpu().clone() for n, b in sm.graph_module.named_buffers()})
+        sites = {stage: [list(site) for site in draws.sites or ()] for stage, draws in self.draws.items()}
+        return {"params": params, "buffers": buffers, "grads": dict(self.recorded_grads), "sites": sites}
 
     # ------------------------------------------------------------------------------ checkpoints
 

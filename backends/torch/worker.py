@@ -31,8 +31,9 @@ from dapple_ir.backends.torch.stage_module import StageModule, model_param_names
 from dapple_ir.backends.torch.transport import DistTransport, Transport, TransportError
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
+from dapple_ir.frontend.runnable import bind_model, retarget_devices
 from dapple_ir.ir import InstrKind, Module, OpKind
-from dapple_ir.ir.structure import structure_hash
+from dapple_ir.ir.structure import first_difference, structure_hash
 from dapple_ir.plan_dir import Plan, load_plan, rank_file
 
 
@@ -49,11 +50,13 @@ class RunOptions:
     resume: str | None = None
     device: str = "cpu"
     """`cpu` or `cuda`."""
+    check: bool = False
+    """Record the gradients of step 0 for `--check` (the runtime's `record_grads`)."""
 
 
 @dataclass
 class Prepared:
-    """The model rebuilt from the plan's spec and seed, captured, with its data source."""
+    """The model rebuilt from the plan's spec and seed, its planned graph, and its data source."""
 
     model: torch.nn.Module
     graph_module: torch.fx.GraphModule
@@ -65,6 +68,10 @@ class Prepared:
     input_index: dict[str, int]
     """Position of each graph input (IR input op) in the flat tuple inputs + targets."""
     structure_hash: str
+    captured_module: Module
+    """The IR of the graph, to name what differs when it does not match the plan."""
+    any_batch: bool
+    """Whether the graph runs at any batch size (`Captured.any_batch`), or only at the captured one."""
 
     def batch_of_step(self, step: int, global_batch: int, seed: int) -> tuple[Any, ...]:
         """The flat global batch (inputs, then targets) of `step`."""
@@ -91,22 +98,36 @@ def prepare_model(plan: Plan) -> Prepared:
     prepared = _PREPARED[key]
     recorded = plan.meta.get("model_hash")
     if recorded and recorded != prepared.structure_hash:
+        where = first_difference(plan.module, prepared.captured_module) or "the structure hash differs"
         raise DappleError(
-            f"the model that {plan.model_spec} builds no longer matches the plan in {plan.dir} (structure hash "
-            "differs): the model changed since the plan was compiled; recompile the plan"
+            f"the model that {plan.model_spec} builds no longer matches the plan in {plan.dir}: {where}. The model "
+            "(or the torch or transformers version) changed since the plan was compiled; recompile the plan with "
+            f"`dapple compile {plan.model_spec} ...` (or run the model the plan was compiled from)"
+        )
+    batch = prepared.captured_module.attrs.batch
+    if not prepared.any_batch and batch != plan.microbatch_size:
+        raise DappleError(
+            f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could not "
+            f"keep dimension 0 symbolic, so microbatches of {plan.microbatch_size} cannot run through it; let the "
+            "model read the batch size from its inputs, or give the factory example inputs of the microbatch size "
+            f"({plan.microbatch_size}) and compile again"
         )
     return prepared
 
 
 def _prepare(plan: Plan, method: str) -> Prepared:
-    loaded = load_model_spec(plan.model_spec, device="cpu", seed=plan.seed)
-    if not isinstance(loaded, FactoryResult):
-        raise DappleError(f"model spec {plan.model_spec} is an imported profile: it can be planned, not run")
-    captured = capture_loaded(loaded, method=method)
+    # The graph is captured exactly as compile captured it, from the factory on the meta device, so it
+    # is the planned graph op for op (a capture on the CPU traces the CPU's kernels, which differ).
+    planned = _factory(plan, "meta")
+    captured = capture_loaded(planned, method=method, annotate_costs=False)
+    del planned
+    # The weights come from the factory on the CPU after seeding, as the single-device reference builds them.
+    loaded = _factory(plan, "cpu")
+    graph_module = bind_model(captured, loaded.model, loaded.loss_fn)
     kwargs = loaded.example_kwargs or {}
     examples = (*loaded.example_inputs, *kwargs.values())
     targets = loaded.example_targets
-    placeholders = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"]
+    placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(examples) + len(targets):
         raise DappleError(
             f"the captured graph of {plan.model_spec} takes {len(placeholders)} inputs but the factory gives "
@@ -114,13 +135,22 @@ def _prepare(plan: Plan, method: str) -> Prepared:
         )
     return Prepared(
         loaded.model,
-        captured.graph_module,
+        graph_module,
         examples,
         targets,
         data_function(plan.model_spec),
         {n: i for i, n in enumerate(placeholders)},
         structure_hash(captured.module),
+        captured.module,
+        captured.any_batch,
     )
+
+
+def _factory(plan: Plan, device: str) -> FactoryResult:
+    loaded = load_model_spec(plan.model_spec, device=device, seed=plan.seed)
+    if not isinstance(loaded, FactoryResult):
+        raise DappleError(f"model spec {plan.model_spec} is an imported profile: it can be planned, not run")
+    return loaded
 
 
 def hosted_stages(module: Module, rank: int) -> list[str]:
@@ -152,6 +182,7 @@ def build_runtime(
 ) -> Runtime:
     """Rank `rank`'s runtime: its stages cut from a private copy of the model (nothing shared with other ranks)."""
     model, graph_module = copy.deepcopy((prepared.model, prepared.graph_module))
+    retarget_devices(graph_module, device)
     names = model_param_names(model)
     nodes = plan.stage_nodes()
     stages: dict[str, StageModule] = {}
@@ -176,6 +207,8 @@ def build_runtime(
         timeout=options.timeout,
         device=device,
         tied=tied_params(plan.module),
+        seed=plan.seed,
+        record_grads=options.check,
     )
 
 
@@ -222,13 +255,9 @@ def train_rank(plan: Plan, rank: int, rt: Runtime, options: RunOptions) -> dict[
     }
 
 
-def final_params(rt: Runtime) -> dict[str, torch.Tensor]:
-    """Every parameter copy the rank holds, keyed `stage/name`, on the CPU."""
-    held = {}
-    for stage, sm in rt.stages.items():
-        for name, p in sm.params.items():
-            held[f"{stage}/{name}"] = p.detach().cpu().clone()
-    return held
+def final_params(rt: Runtime) -> dict[str, Any]:
+    """What the rank ends with for the launcher and `--check`: see `Runtime.final_state`."""
+    return rt.final_state()
 
 
 def save_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
@@ -289,6 +318,7 @@ def worker_flags(options: RunOptions) -> list[str]:
     flags += [f"--timeout={options.timeout!r}", f"--run-dir={options.run_dir}", f"--device={options.device}"]
     flags += [f"--save={options.save}"] if options.save else []
     flags += [f"--resume={options.resume}"] if options.resume else []
+    flags += ["--check"] if options.check else []
     return flags
 
 
@@ -307,13 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument("--check", action="store_true", help="record the gradients of step 0 for dapple run --check")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(args.run_dir or Path(args.plan_dir) / "run")
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         optimizer, lr = resolve_optimizer(load_plan(args.plan_dir), args.optimizer, args.lr)
-        options = RunOptions(args.steps, optimizer, lr, args.timeout, str(run_dir), args.save, args.resume, args.device)
+        options = RunOptions(
+            args.steps, optimizer, lr, args.timeout, str(run_dir), args.save, args.resume, args.device, args.check
+        )
         report, params = _run_torchrun_rank(args.plan_dir, rank, options)
     except BaseException as exc:
         write_json(run_dir / f"error_rank_{rank}.json", error_report(rank, exc))

@@ -29,11 +29,37 @@ def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) ->
         problem = find_deadlock(module.programs, module)
         if problem:
             raise VerifyError(f"verify: the programs deadlock: {problem}")
-    if not any(i.kind is InstrKind.FREE for i in instrs):
-        return
-    check_frees(module)
-    if cluster:
-        check_memory(module, cluster)
+    if any(i.kind is InstrKind.FREE for i in instrs):
+        check_frees(module)
+        if cluster:
+            check_memory(module, cluster)
+    if any(i.kind in _LOWERED for i in instrs):
+        check_optimizer_steps(module)
+
+
+#: Instructions only lowering adds: once one is there, every rank's program must be complete.
+_LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.ALLREDUCE, InstrKind.FREE, InstrKind.OPTIMIZER_STEP})
+
+
+def check_optimizer_steps(module: Module) -> None:
+    """A lowered rank that computes ends its step with exactly one optimizer step, after its last
+    forward or backward (else its parameters never change, or change from half a step's gradients)."""
+    for program in module.programs:
+        kinds = [i.kind for i in program.instrs]
+        steps = [k for k, kind in enumerate(kinds) if kind is InstrKind.OPTIMIZER_STEP]
+        computes = [k for k, kind in enumerate(kinds) if kind in COMPUTE_KINDS]
+        if not computes:
+            continue
+        if len(steps) != 1:
+            raise VerifyError(
+                f"verify: rank {program.rank} ({program.name}) has {len(steps)} optimizer steps; a lowered "
+                "program that computes needs exactly one, after its last backward"
+            )
+        if steps[0] < computes[-1]:
+            raise VerifyError(
+                f"verify: {_where(module, program, steps[0])} comes before the rank's last computation "
+                f"({_where(module, program, computes[-1])}); the optimizer step ends the step"
+            )
 
 
 def _where(module: Module | None, program: RankProgram, index: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import FLOAT_DTYPES, Module, Op, OpKind, Stage, TensorType, TupleType, Type
+from dapple_ir.ir import FLOAT_DTYPES, Module, Op, OpaqueType, OpKind, Stage, TensorType, TupleType, Type
 
 _LOCAL = (OpKind.INPUT, OpKind.GET_ATTR)
 
@@ -48,12 +48,20 @@ def crossings(module: Module) -> list[Crossing]:
 
 
 def values_needing_grad(module: Module) -> set[Op]:
-    """Float values that depend on a trainable parameter: only their gradients travel back."""
+    """Float values that depend on a trainable parameter: only their gradients travel back.
+
+    A value of unknown type (a `layer` of an imported profile) counts as float, and its op as owning
+    trainable work when it has parameters or backward time: the profile says the layer runs a
+    backward, which needs the gradient of its output. Whether a gradient travels never depends on
+    how many bytes it has: a zero-byte gradient still orders the backward passes of two stages.
+    """
     trainable = {p.name for p in module.params if not p.attrs.buffer}
     result: set[Op] = set()
     for op in module.ops:
         reads = set(op.attrs.params or ()) | ({op.target} if op.kind is OpKind.GET_ATTR and op.target else set())
         own = bool(reads & trainable) or bool(op.attrs.param_bytes)
+        if isinstance(op.type, OpaqueType):
+            own = own or bool(op.attrs.bwd_s)
         if (own or any(v in result for v in op.operands)) and _is_float(op.type):
             result.add(op)
     return result
@@ -64,7 +72,7 @@ def _is_float(t: Type) -> bool:
         return t.dtype in FLOAT_DTYPES
     if isinstance(t, TupleType):
         return any(_is_float(e) for e in t.elements)
-    return False
+    return isinstance(t, OpaqueType)
 
 
 def tied_params(module: Module) -> dict[str, list[Stage]]:

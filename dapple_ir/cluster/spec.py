@@ -1,8 +1,16 @@
-"""Cluster specs: nodes of devices, their speed and memory, and the links between them.
+"""Cluster specs: nodes of devices, their speed and memory, and the network that joins them.
 
 A spec comes from a shorthand (`2x8xV100-16GB`: 2 nodes of 8 V100s, `parse_shorthand`) or a TOML file
 (`dapple_ir.cluster.toml_file`, whose `resolve_cluster` takes either). Device ids are global and
 node-major: device d sits on node d // devices_per_node (for homogeneous clusters).
+
+The network has the parts that decide which transfers slow each other down (docs/cluster.md):
+inside a node a *fabric*, either a switch that gives every device its own port (NVLink through
+NVSwitch) or a bus that every transfer of the node shares (PCIe through the host, a CPU's memory);
+between nodes the node's *network cards*, each serving the devices behind it. `intra` is what one
+transfer alone gets inside a node (a port's or the bus's bandwidth, each way), `inter` what it gets
+between nodes (one card's bandwidth, each way). `dapple_ir.cluster.topology` turns a spec into the
+links each transfer crosses.
 """
 
 from __future__ import annotations
@@ -62,17 +70,77 @@ PRESETS: dict[str, DeviceKind] = {
     "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9, op_overhead=10e-6),
 }
 
-#: Default links by device kind: (intra-node, inter-node). DAPPLE: 25 GB/s in a server, ~1 GB/s P2P
-#: between servers (3 GB/s for allreduce, which its ring spreads over several flows).
-DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {
-    "V100-16GB": (Link(25 * GB, 5e-6), Link(1 * GB, 20e-6)),
-    "V100-32GB": (Link(25 * GB, 5e-6), Link(1 * GB, 20e-6)),
-    "A100-40GB": (Link(300 * GB, 5e-6), Link(25 * GB, 10e-6)),
-    "A100-80GB": (Link(300 * GB, 5e-6), Link(25 * GB, 10e-6)),
-    "H100": (Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
-    "H200": (Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
-    "cpu": (Link(5 * GB, 50e-6), Link(1 * GB, 100e-6)),
+#: The fabrics a node may have (see the module docstring).
+FABRICS = ("switch", "bus")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """A real server: the network every node of a preset device kind has."""
+
+    name: str
+    fabric: str
+    """`switch` (a port per device) or `bus` (one link the node's transfers share)."""
+    intra: Link
+    """One port of the switch (or the whole bus): bandwidth each way, and latency."""
+    cards: int
+    """Network cards per node; the devices are split evenly between them, in order."""
+    inter: Link
+    """One network card: bandwidth each way, and latency."""
+    source: str
+    """Where the figures come from."""
+
+
+_DAPPLE_V100 = Machine(
+    "DAPPLE V100 server",
+    "switch",
+    Link(25 * GB, 5e-6),
+    1,
+    Link(25e9 / 8, 20e-6),
+    "DAPPLE (PPoPP'21) Config-A: 8 V100 with NVLink, 25 GB/s between two GPUs in its planner (one NVLink2 "
+    "link), servers joined by one 25 Gbit/s Ethernet card each",
+)
+_DGX_A100 = Machine(
+    "DGX A100",
+    "switch",
+    Link(300 * GB, 5e-6),
+    8,
+    Link(200e9 / 8, 10e-6),
+    "NVIDIA DGX A100: 6 NVSwitches, 600 GB/s NVLink per GPU (300 GB/s each way); 8 single-port ConnectX-6 "
+    "HDR InfiniBand cards of 200 Gbit/s, one per GPU",
+)
+_DGX_H100 = Machine(
+    "DGX H100/H200",
+    "switch",
+    Link(450 * GB, 5e-6),
+    8,
+    Link(400e9 / 8, 10e-6),
+    "NVIDIA DGX H100/H200: 4 NVSwitches, 900 GB/s NVLink per GPU (450 GB/s each way); 8 single-port "
+    "ConnectX-7 cards of 400 Gbit/s, one per GPU (DGX BasePOD reference architecture)",
+)
+_CPU_SERVER = Machine(
+    "CPU server",
+    "bus",
+    Link(5 * GB, 50e-6),
+    1,
+    Link(1 * GB, 100e-6),
+    "ranks of one machine copy through its memory (a bus all transfers share; gloo over loopback reaches "
+    "~5 GB/s on the dev VM); one ~10 Gbit/s Ethernet card per machine. Calibrate your own",
+)
+
+#: The machine each device preset comes in, which the shorthand (`2x8xV100-16GB`) builds.
+MACHINES: dict[str, Machine] = {
+    "V100-16GB": _DAPPLE_V100,
+    "V100-32GB": _DAPPLE_V100,
+    "A100-40GB": _DGX_A100,
+    "A100-80GB": _DGX_A100,
+    "H100": _DGX_H100,
+    "H200": _DGX_H100,
+    "cpu": _CPU_SERVER,
 }
+
+#: Default links by device kind: (intra-node, inter-node), those of its machine.
+DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {kind: (m.intra, m.inter) for kind, m in MACHINES.items()}
 
 
 #: Fraction of peak an op class reaches when a cluster spec does not say (`dapple calibrate` fits them).
@@ -83,20 +151,49 @@ DEFAULT_EFFICIENCY: dict[str, float] = {"matmul": 0.6, "conv": 0.5, "attention":
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """Nodes × devices, each node with one device kind, and intra-/inter-node links."""
+    """Nodes × devices, each node with one device kind, and the network that joins them.
+
+    Every node has the same fabric and cards. Without `fabric`, `cards` and `card_devices` the node
+    is a switch with one network card per device: no two devices share a wire.
+    """
 
     node_kinds: tuple[DeviceKind, ...]
     """Device kind of each node, in node order."""
     devices_per_node: int
     """Devices on every node."""
     intra: Link
-    """Link between two devices of one node."""
+    """Inside a node: one device's switch port (or the whole bus), bandwidth each way, and latency."""
     inter: Link
-    """Link between devices of different nodes."""
+    """Between nodes: one network card, bandwidth each way, and latency."""
     name: str = ""
     """The shorthand or file it came from, for reports."""
     efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of peak reached per op class (`matmul`, `conv`, `elementwise`, ...), fitted by calibrate."""
+    fabric: str = "switch"
+    """`switch`: each device has its own port; `bus`: one link that every transfer in the node shares."""
+    cards: int = 0
+    """Network cards per node; 0: one per device."""
+    card_devices: tuple[tuple[int, ...], ...] = ()
+    """Per card, the local device slots (0 .. devices_per_node - 1) behind it; empty: an even split in order."""
+    machine: str = ""
+    """The machine preset the network came from (`DGX H100/H200`), for reports."""
+
+    def __post_init__(self) -> None:
+        per = self.devices_per_node
+        where = f"cluster {self.name or '(unnamed)'}"
+        if self.fabric not in FABRICS:
+            raise ClusterError(f"{where}: fabric '{self.fabric}' is not one of {', '.join(FABRICS)}")
+        if not 0 <= self.cards <= per:
+            raise ClusterError(f"{where}: {self.cards} network cards for {per} devices per node (0 to {per})")
+        if self.card_devices:
+            slots = sorted(slot for group in self.card_devices for slot in group)
+            if len(self.card_devices) != self.card_count or slots != list(range(per)):
+                raise ClusterError(
+                    f"{where}: card_devices {[list(g) for g in self.card_devices]} must split the device slots "
+                    f"0..{per - 1} between the {self.card_count} cards, each slot behind exactly one card"
+                )
+            if not all(self.card_devices):
+                raise ClusterError(f"{where}: every network card needs at least one device behind it")
 
     def efficiency_of(self, op_class: str | None) -> float:
         """Fraction of peak (FLOP/s and bandwidth) that ops of `op_class` reach on this cluster."""
@@ -111,8 +208,20 @@ class ClusterSpec:
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @property
+    def card_count(self) -> int:
+        """Network cards per node (one per device when `cards` is 0)."""
+        return self.cards or self.devices_per_node
+
     def node_of(self, device: int) -> int:
         return device // self.devices_per_node
+
+    def card_of(self, device: int) -> int:
+        """The card (0 .. card_count - 1) of its node that `device` sends and receives through."""
+        slot = device % self.devices_per_node
+        if self.card_devices:
+            return next(c for c, group in enumerate(self.card_devices) if slot in group)
+        return slot * self.card_count // self.devices_per_node
 
     def device(self, device: int) -> DeviceKind:
         if not 0 <= device < self.num_devices:
@@ -120,21 +229,8 @@ class ClusterSpec:
         return self.node_kinds[self.node_of(device)]
 
     def link(self, a: int, b: int) -> Link:
-        """The link between two devices (intra-node when they share a node)."""
+        """What one transfer from `a` to `b` gets when nothing else is on the wire."""
         return self.intra if self.node_of(a) == self.node_of(b) else self.inter
-
-    def slowest_link(self, devices: tuple[int, ...] | list[int]) -> Link:
-        """The slowest link a ring over `devices` uses."""
-        nodes = {self.node_of(d) for d in devices}
-        return self.inter if len(nodes) > 1 else self.intra
-
-    def allreduce_s(self, nbytes: float, devices: tuple[int, ...] | list[int]) -> float:
-        """Ring allreduce: 2(n-1)/n · bytes / bandwidth of the slowest link, plus latency per step."""
-        n = len(devices)
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        link = self.slowest_link(devices)
-        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
 def parse_shorthand(text: str) -> ClusterSpec:
@@ -155,5 +251,14 @@ def parse_shorthand(text: str) -> ClusterSpec:
         raise ClusterError(f"cluster '{text}': unknown device kind '{kind}'; presets are: {', '.join(PRESETS)}")
     if nodes < 1 or per_node < 1:
         raise ClusterError(f"cluster '{text}': nodes and devices per node must be at least 1")
-    intra, inter = DEFAULT_LINKS[kind]
-    return ClusterSpec((PRESETS[kind],) * nodes, per_node, intra, inter, name=text)
+    machine = MACHINES[kind]
+    return ClusterSpec(
+        (PRESETS[kind],) * nodes,
+        per_node,
+        machine.intra,
+        machine.inter,
+        name=text,
+        fabric=machine.fabric,
+        cards=min(machine.cards, per_node),
+        machine=machine.name,
+    )

@@ -1,5 +1,5 @@
 """Cluster specs from TOML files (`--cluster cluster.toml`), and `resolve_cluster`, which reads a
-`--cluster` value: a TOML file path or a shorthand.
+`--cluster` value: a TOML file path or a shorthand. docs/cluster.md documents the schema.
 
 All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `16e9` as a float.
 
@@ -16,18 +16,23 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     mem_bandwidth = 900e9
     op_overhead = 5e-6              # seconds per op call (launch), added to each roofline time
 
-    [links.intra_node]              # default: the first node's preset (or its kind's base)
-    bandwidth = 25e9
+    [fabric]                        # inside a node; default: the first node's machine preset
+    kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
+    bandwidth = 25e9                # bytes/s each way: one port's, or the bus's
     latency = 5e-6
-    [links.inter_node]
-    bandwidth = 1e9
+
+    [network]                       # between nodes; default: the machine preset's
+    cards = 1                       # network cards per node; 0: one per device
+    bandwidth = 3.125e9             # bytes/s each way, per card (25 Gbit/s)
     latency = 20e-6
+    card_devices = [[0, 1, 2, 3, 4, 5, 6, 7]]   # optional: the device slots behind each card
 
     [efficiency]                    # fraction of peak reached per op class (`dapple calibrate` fits it)
     matmul = 0.6
 
-Unknown keys are errors (a typo must not silently fall back to a default); every error names the
-file and the field.
+The older `[links.intra_node]` and `[links.inter_node]` tables (bandwidth, latency) are still read, as
+the fabric's and the network's bandwidth and latency. Unknown keys are errors (a typo must not
+silently fall back to a default); every error names the file, the line and the field.
 """
 
 from __future__ import annotations
@@ -36,22 +41,55 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind, Link, parse_shorthand
+from dapple_ir.cluster.spec import FABRICS, MACHINES, PRESETS, ClusterSpec, DeviceKind, Link, Machine, parse_shorthand
 from dapple_ir.errors import ClusterError
 
-_TOP_KEYS = {"name", "nodes", "devices_per_node", "device", "node_devices", "device_kinds", "links", "efficiency"}
+_TOP_KEYS = {
+    "name",
+    "nodes",
+    "devices_per_node",
+    "device",
+    "node_devices",
+    "device_kinds",
+    "links",
+    "fabric",
+    "network",
+    "efficiency",
+}
 _KIND_KEYS = {"base", "memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead"}
 _LINK_KEYS = {"bandwidth", "latency"}
+_FABRIC_KEYS = {"kind", "bandwidth", "latency"}
+_NETWORK_KEYS = {"cards", "bandwidth", "latency", "card_devices"}
 
 
 class _Reader:
-    """Reads fields of one file, raising errors that name the file and the field."""
+    """Reads fields of one file, raising errors that name the file, the field and its line."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, text: str = "") -> None:
         self.path = path
+        self.lines = text.splitlines()
 
     def error(self, field: str, message: str) -> ClusterError:
-        return ClusterError(f"cluster file {self.path}: field '{field}' {message}")
+        line = self.line_of(field)
+        where = f"{self.path}:{line}" if line else self.path
+        return ClusterError(f"cluster file {where}: field '{field}' {message}")
+
+    def line_of(self, field: str) -> int | None:
+        """The line that sets `field` (`network.cards`, `node_devices[1]`), or its table's header."""
+        parts = field.split("[")[0].split(".")
+        table, key = ".".join(parts[:-1]), parts[-1]
+        current, header = "", None
+        for number, raw in enumerate(self.lines, start=1):
+            text = raw.split("#")[0].strip()
+            if text.startswith("[") and text.endswith("]"):
+                current = text.strip("[]").strip()
+                if current == field:
+                    header = header or number
+                continue
+            name = text.split("=")[0].strip().strip('"')
+            if "=" in text and ((current == table and name == key) or (not current and name == field)):
+                return number
+        return header
 
     def check_keys(self, table: dict[str, Any], allowed: set[str], where: str) -> None:
         for key in table:
@@ -87,16 +125,18 @@ def load_cluster_toml(path: str) -> ClusterSpec:
     file = Path(path)
     if not file.is_file():
         raise ClusterError(f"cluster file {path} does not exist")
+    text = file.read_text()
     try:
-        data = tomllib.loads(file.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ClusterError(f"cluster file {path} is not valid TOML: {exc}") from None
-    return cluster_from_dict(data, str(path))
+    return cluster_from_dict(data, str(path), text)
 
 
-def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>") -> ClusterSpec:
-    """A cluster spec from the parsed TOML table (see the module docstring for the fields)."""
-    r = _Reader(path)
+def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>", text: str = "") -> ClusterSpec:
+    """A cluster spec from the parsed TOML table (see the module docstring for the fields); `text`, the
+    file's text, lets errors name the line."""
+    r = _Reader(path, text)
     r.check_keys(data, _TOP_KEYS, "")
     kinds = _device_kinds(r, r.table(data.get("device_kinds", {}), "device_kinds"))
     node_names = _node_kind_names(r, data)
@@ -110,22 +150,41 @@ def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>") -> ClusterS
             )
     node_kinds = tuple(kinds.get(n) or PRESETS[n] for n in node_names)
     per_node = int(r.positive(data.get("devices_per_node"), "devices_per_node", integer=True))
+    machine = _machine_of(data, node_names[0])
     links = r.table(data.get("links", {}), "links")
     r.check_keys(links, {"intra_node", "inter_node"}, "links")
-    default_kind = _preset_of(data, node_names[0])
-    intra = _link(r, links, "intra_node", default_kind, 0)
-    inter = _link(r, links, "inter_node", default_kind, 1)
+    fabric = r.table(data.get("fabric", {}), "fabric")
+    r.check_keys(fabric, _FABRIC_KEYS, "fabric")
+    network = r.table(data.get("network", {}), "network")
+    r.check_keys(network, _NETWORK_KEYS, "network")
+    intra, intra_at = _link(r, links, "intra_node", fabric, "fabric", machine.intra if machine else None)
+    inter, inter_at = _link(r, links, "inter_node", network, "network", machine.inter if machine else None)
     if inter.bandwidth > intra.bandwidth:
         raise r.error(
-            "links.inter_node.bandwidth",
-            f"({inter.bandwidth:g} B/s) exceeds links.intra_node.bandwidth ({intra.bandwidth:g} B/s); "
+            f"{inter_at}.bandwidth",
+            f"({inter.bandwidth:g} B/s) exceeds {intra_at}.bandwidth ({intra.bandwidth:g} B/s); "
             "devices of one node are never farther apart than devices of two",
         )
+    kind = fabric.get("kind", machine.fabric if machine else "switch")
+    if kind not in FABRICS:
+        raise r.error("fabric.kind", f"must be one of {', '.join(repr(f) for f in FABRICS)}, not {kind!r}")
+    cards, card_devices = _cards(r, network, per_node, machine)
     efficiency = _efficiency(r, r.table(data.get("efficiency", {}), "efficiency"))
     name = data.get("name", path)
     if not isinstance(name, str):
         raise r.error("name", f"must be a string, not {name!r}")
-    return ClusterSpec(node_kinds, per_node, intra, inter, name=name, efficiency=efficiency)
+    return ClusterSpec(
+        node_kinds,
+        per_node,
+        intra,
+        inter,
+        name=name,
+        efficiency=efficiency,
+        fabric=kind,
+        cards=cards,
+        card_devices=card_devices,
+        machine=machine.name if machine and not (links or fabric or network) else "",
+    )
 
 
 def _node_kind_names(r: _Reader, data: dict[str, Any]) -> list[str]:
@@ -176,25 +235,55 @@ def _device_kinds(r: _Reader, tables: dict[str, Any]) -> dict[str, DeviceKind]:
     return kinds
 
 
-def _preset_of(data: dict[str, Any], kind_name: str) -> str | None:
-    """The preset whose default links apply: the kind itself, or the base of a custom kind."""
+def _machine_of(data: dict[str, Any], kind_name: str) -> Machine | None:
+    """The machine preset whose network applies: the kind's own, or the base's of a custom kind."""
     if kind_name in PRESETS and kind_name not in data.get("device_kinds", {}):
-        return kind_name
+        return MACHINES.get(kind_name)
     base = data.get("device_kinds", {}).get(kind_name, {}).get("base")
-    return base if isinstance(base, str) else None
+    return MACHINES.get(base) if isinstance(base, str) else None
 
 
-def _link(r: _Reader, links: dict[str, Any], key: str, preset: str | None, which: int) -> Link:
-    where = f"links.{key}"
-    table = r.table(links.get(key, {}), where)
-    r.check_keys(table, _LINK_KEYS, where)
-    default = DEFAULT_LINKS[preset][which] if preset in DEFAULT_LINKS else None
-    for field in ("bandwidth", "latency"):
-        if default is None and field not in table:
-            raise r.error(f"{where}.{field}", "is missing (no preset device kind supplies a default)")
-    bandwidth = r.positive(table.get("bandwidth", default.bandwidth if default else 0), f"{where}.bandwidth")
-    latency = r.positive(table.get("latency", default.latency if default else 0), f"{where}.latency", allow_zero=True)
-    return Link(bandwidth, latency)
+def _link(
+    r: _Reader, links: dict[str, Any], old_key: str, table: dict[str, Any], key: str, default: Link | None
+) -> tuple[Link, str]:
+    """A link from `[fabric]`/`[network]` or the older `[links.*]` table, and the name of where it came
+    from (for errors)."""
+    old = r.table(links.get(old_key, {}), f"links.{old_key}")
+    r.check_keys(old, _LINK_KEYS, f"links.{old_key}")
+    given = {k: table[k] for k in _LINK_KEYS if k in table}
+    if old and given:
+        raise r.error(f"links.{old_key}", f"and [{key}] both set the link; give its bandwidth and latency in [{key}]")
+    where = f"links.{old_key}" if old else key
+    values = old or given
+    for name in ("bandwidth", "latency"):
+        if default is None and name not in values:
+            raise r.error(f"{where}.{name}", "is missing (no preset device kind supplies a default)")
+    bandwidth = r.positive(values.get("bandwidth", default.bandwidth if default else 0), f"{where}.bandwidth")
+    latency = r.positive(values.get("latency", default.latency if default else 0), f"{where}.latency", allow_zero=True)
+    return Link(bandwidth, latency), where
+
+
+def _cards(
+    r: _Reader, network: dict[str, Any], per_node: int, machine: Machine | None
+) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    default = min(machine.cards, per_node) if machine else 0
+    cards = int(r.positive(network.get("cards", default), "network.cards", integer=True, allow_zero=True))
+    if cards > per_node:
+        raise r.error("network.cards", f"is {cards}, more than the {per_node} devices of a node (0: one per device)")
+    raw = network.get("card_devices")
+    if raw is None:
+        return cards, ()
+    count = cards or per_node
+    if not isinstance(raw, list) or not all(isinstance(g, list) and all(type(x) is int for x in g) for g in raw):
+        raise r.error("network.card_devices", f"must be a list of lists of device slots, not {raw!r}")
+    slots = sorted(x for group in raw for x in group)
+    if len(raw) != count or slots != list(range(per_node)) or not all(raw):
+        raise r.error(
+            "network.card_devices",
+            f"must give each of the {count} cards its device slots, every slot 0..{per_node - 1} behind exactly "
+            f"one card, not {raw!r}",
+        )
+    return cards, tuple(tuple(group) for group in raw)
 
 
 def _efficiency(r: _Reader, table: dict[str, Any]) -> dict[str, float]:
@@ -219,8 +308,12 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
         lines += [f"peak_flops = {{ {flops} }}", f"mem_bandwidth = {kind.mem_bandwidth!r}"]
         if kind.op_overhead:
             lines.append(f"op_overhead = {kind.op_overhead!r}")
-    for key, link in (("intra_node", spec.intra), ("inter_node", spec.inter)):
-        lines += ["", f"[links.{key}]", f"bandwidth = {link.bandwidth!r}", f"latency = {link.latency!r}"]
+    lines += ["", "[fabric]", f"kind = {_toml_str(spec.fabric)}"]
+    lines += [f"bandwidth = {spec.intra.bandwidth!r}", f"latency = {spec.intra.latency!r}"]
+    lines += ["", "[network]", f"cards = {spec.cards}"]
+    lines += [f"bandwidth = {spec.inter.bandwidth!r}", f"latency = {spec.inter.latency!r}"]
+    if spec.card_devices:
+        lines.append("card_devices = [" + ", ".join(str(list(g)) for g in spec.card_devices) + "]")
     if spec.efficiency:
         lines += ["", "[efficiency]"] + [f"{_toml_str(k)} = {v!r}" for k, v in spec.efficiency.items()]
     return "\n".join(lines) + "\n"

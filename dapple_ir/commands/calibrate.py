@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     kind, solo, devices = measured.kind, measured.solo, measured.devices
     intra, inter = DEFAULT_LINKS["cpu"] if kind.name == "cpu" else DEFAULT_LINKS["H100"]
     intra = measured.intra_link or intra
+    if inter.bandwidth > intra.bandwidth:
+        # A busy machine can measure its own link below the default between nodes; a link to another
+        # node is never faster than one inside this node, so the cluster file stays consistent.
+        inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
     spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
     if args.fit:
         spec = ClusterSpec(

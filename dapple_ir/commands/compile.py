@@ -33,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per optimizer step")
     p.add_argument("-o", "--output", required=True, metavar="PLAN_DIR", help="plan directory to write (atomically)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace PLAN_DIR even when it holds files dapple-ir did not write (they are deleted)",
+    )
     p.add_argument("--planner", choices=METHODS, default="auto", help="search method (default auto)")
     p.add_argument("--stages", type=int, metavar="N", help="force the number of pipeline stages")
     p.add_argument("--microbatches", type=int, metavar="M", help="force the number of microbatches")
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         pipeline=args.pipeline,
         out_dir=args.output,
+        force=args.force,
         explain=args.explain,
         optimizer=args.optimizer,
         profile_batch=args.profile_batch,

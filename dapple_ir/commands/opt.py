@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple_ir.errors import DappleError
-from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.parser import parse_module, read_ir_file
 from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.plugins import load_plugin
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.file)
         if not path.is_file():
             raise DappleError(f"IR file {path} does not exist")
-        text, name = path.read_text(), str(path)
+        text, name = read_ir_file(path), str(path)
     module = parse_module(text, name)
     manager = pass_manager_from_args(args, args.pipeline)
     manager.run(module, PassContext(cluster=args.cluster, log=lambda m: print(m, file=sys.stderr)))

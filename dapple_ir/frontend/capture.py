@@ -18,8 +18,10 @@ takes the IR's `input` ops positionally, in order, returns the scalar loss, and 
 the IR op names, so a runtime can cut it into stages by op name with `torch.fx`.
 
 This module builds the wrapper; the steps after it live beside it: `tracing` (fx and export),
+`sizes` (each op reads the sizes it needs from the inputs itself, so no size value blocks a cut),
 `propagation` (example values on meta tensors), `graph_checks` (inputs written in place, dynamic
 shapes), `to_ir` (the IR module), `source_locations` (the user's line of each op) and `flops` (costs).
+`runnable` gives a graph captured on the meta device the real model's tensors, for training.
 """
 
 from __future__ import annotations
@@ -135,7 +137,22 @@ def _normalise(inputs: Any, kwargs: dict[str, Any] | None, targets: Any) -> tupl
         targets = (targets,)
     if not isinstance(inputs, tuple | list) or not isinstance(targets, tuple | list):
         raise CaptureError("example_inputs and example_targets must be tuples of tensors")
-    return tuple(inputs), dict(kwargs or {}), tuple(targets)
+    # The same tensor given as two inputs ({"input_ids": ids, "labels": ids}, as Hugging Face examples
+    # do) would become one graph input, and training would feed one input's data to both: each
+    # input gets a tensor of its own.
+    seen: set[int] = set()
+
+    def own(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in seen:
+            return value.clone()
+        seen.add(id(value))
+        return value
+
+    args = tuple(own(v) for v in inputs)
+    keywords = {k: own(v) for k, v in (kwargs or {}).items()}
+    return args, keywords, tuple(own(v) for v in targets)
 
 
 def _input_names(model: Any, n_args: int, kw_names: list[str], n_targets: int) -> list[str]:

@@ -113,17 +113,24 @@ def _resolve_factory(spec: str) -> Any:
     return factory
 
 
+#: Attribute of a loaded spec file's module: the file's modification time when it was loaded.
+_STAMP = "__dapple_mtime_ns__"
+
+
 def _load_file(spec: str, where: str) -> Any:
     path = Path(where)
     if not path.is_file():
         raise CaptureError(f"model spec {spec}: file {where} does not exist (relative to {Path.cwd()})")
     name = f"_dapple_spec_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
-    if name in sys.modules:
+    # A file edited since this process loaded it is loaded again (a long-lived process sees the edit).
+    stamp = path.stat().st_mtime_ns
+    if name in sys.modules and getattr(sys.modules[name], _STAMP, None) == stamp:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise CaptureError(f"model spec {spec}: cannot load {where} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
+    setattr(module, _STAMP, stamp)
     # Registered before running so that dataclasses and pickling inside the file find their module.
     sys.modules[name] = module
     try:

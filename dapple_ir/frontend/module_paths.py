@@ -11,6 +11,9 @@ from typing import Any
 #: Attribute names of the model and of a module loss function in the capture wrapper.
 MODEL = "model"
 LOSS = "loss_fn"
+#: `node.meta` key of a `get_attr` or `call_module` node: the attribute's path in the wrapper
+#: (`model.blocks.0.weight`), absent for constants that only the traced graph holds.
+WRAPPER_PATH = "dapple_wrapper_path"
 
 
 def scope(node: Any) -> tuple[str | None, str]:

@@ -1,10 +1,15 @@
 """Import the per-layer profiles published by PipeDream and DAPPLE (`profile:path/graph.txt`).
 
-The format (one node a line, edges as tab-indented lines):
+The format (one node a line, edges as indented lines):
 
     node12 -- Conv2d(128, 256, ...) -- forward_compute_time=10.814, backward_compute_time=18.335,
         activation_size=411041792.000, parameter_size=1180672.000      (all on one line)
     \tnode11 -- node12
+
+The published files vary in their whitespace, and every variant reads: edges indented by a tab,
+spaces, or a space then a tab; Windows line ends (CRLF); blank lines; trailing spaces. A line is an
+edge when it holds exactly two names joined by ` -- `, whatever its indent; any other non-blank line
+is a node.
 
 Times are milliseconds for one minibatch of the profile batch; sizes are bytes, and
 `activation_size` may be a list `[a; b]` (a node with several outputs), which is summed. Each node
@@ -31,7 +36,7 @@ DEFAULT_PROFILE_BATCH = 64
 _METRICS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
 _PBS = re.compile(r"pbs-(\d+)")
 _NODE_NUMBER = re.compile(r"node(\d+)\Z")
-_EDGE = re.compile(r"\t\s*(\S+)\s+--\s+(\S+)\s*\Z")
+_EDGE = re.compile(r"\s*(\S+)\s+--\s+(\S+)\s*\Z")
 
 
 @dataclass
@@ -99,28 +104,26 @@ def _module_name(file: Path) -> str:
 
 def _parse(file: Path) -> dict[str, _Node]:
     nodes: dict[str, _Node] = {}
-    edges: list[tuple[str, str, int]] = []
-    for number, raw in enumerate(file.read_text().splitlines(), start=1):
+    edges: list[tuple[str, str, int, int]] = []
+    # utf-8-sig drops a byte-order mark; splitlines takes \n, \r\n and \r alike.
+    for number, raw in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not raw.strip():
             continue
-        if raw.startswith("\t"):
-            match = _EDGE.match(raw)
-            if not match:
-                raise CaptureError(
-                    f"{file}:{number}: an edge line must read '<tab>nodeA -- nodeB', not {raw.strip()!r}"
-                )
-            edges.append((match.group(1), match.group(2), number))
+        edge = _EDGE.match(raw)
+        if edge:
+            edges.append((edge.group(1), edge.group(2), number, _column(raw)))
             continue
         node = _parse_node(file, number, raw)
         if node.name in nodes:
             raise CaptureError(
-                f"{file}:{number}: node {node.name} is defined twice (first on line {nodes[node.name].line})"
+                f"{file}:{number}:{_column(raw)}: node {node.name} is defined twice "
+                f"(first on line {nodes[node.name].line})"
             )
         nodes[node.name] = node
-    for src, dst, number in edges:
+    for src, dst, number, column in edges:
         for end in (src, dst):
             if end not in nodes:
-                raise CaptureError(f"{file}:{number}: edge {src} -- {dst} names {end}, which has no node line")
+                raise CaptureError(f"{file}:{number}:{column}: edge {src} -- {dst} names {end}, which has no node line")
         if src not in nodes[dst].preds:
             nodes[dst].preds.append(src)
     if not nodes:
@@ -128,33 +131,48 @@ def _parse(file: Path) -> dict[str, _Node]:
     return nodes
 
 
+def _column(raw: str, start: int = 0) -> int:
+    """1-based column of the first non-blank character of `raw` at or after `start`."""
+    rest = raw[start:]
+    return start + len(rest) - len(rest.lstrip()) + 1
+
+
 def _parse_node(file: Path, number: int, raw: str) -> _Node:
     # The description may hold commas and parentheses, so split on the first and last separator.
     first, last = raw.find(" -- "), raw.rfind(" -- ")
     if first < 0 or first == last:
-        raise CaptureError(f"{file}:{number}: a node line must read 'nodeN -- description -- metrics', not {raw!r}")
-    name, label, metric_text = raw[:first].strip(), raw[first + 4 : last].strip(), raw[last + 4 :]
+        raise CaptureError(
+            f"{file}:{number}:{_column(raw)}: a node line must read 'nodeN -- description -- metrics' and an "
+            f"edge line 'nodeA -- nodeB', not {raw.strip()!r}"
+        )
+    name, label = raw[:first].strip(), raw[first + 4 : last].strip()
     metrics: dict[str, float] = {}
-    for item in re.split(r",\s*(?![^\[]*\])", metric_text.strip()):
+    offset = last + 4
+    for item in re.split(r"(,\s*)(?![^\[]*\])", raw[offset:]):
+        if not item.strip() or item.strip() == ",":
+            offset += len(item)
+            continue
         key, sep, value = item.partition("=")
+        column = _column(raw, offset)
         if not sep:
-            raise CaptureError(f"{file}:{number}: metric {item!r} of node {name} is not key=value")
-        metrics[key.strip()] = _number(file, number, key.strip(), value.strip())
+            raise CaptureError(f"{file}:{number}:{column}: metric {item.strip()!r} of node {name} is not key=value")
+        metrics[key.strip()] = _number(f"{file}:{number}:{column}", key.strip(), value.strip())
+        offset += len(item)
     missing = [k for k in _METRICS if k not in metrics]
     if missing:
-        raise CaptureError(f"{file}:{number}: node {name} lacks {', '.join(missing)}")
+        raise CaptureError(f"{file}:{number}:{_column(raw)}: node {name} lacks {', '.join(missing)}")
     return _Node(name, label, metrics, number)
 
 
-def _number(file: Path, line: int, key: str, text: str) -> float:
+def _number(where: str, key: str, text: str) -> float:
     # A node with several outputs lists one size per output: `[a; b]`.
     parts = text[1:-1].split(";") if text.startswith("[") and text.endswith("]") else [text]
     try:
         values = [float(p) for p in parts if p.strip()]
     except ValueError:
-        raise CaptureError(f"{file}:{line}: {key}={text} is not a number or a list [a; b] of numbers") from None
+        raise CaptureError(f"{where}: {key}={text} is not a number or a list [a; b] of numbers") from None
     if any(v < 0 for v in values):
-        raise CaptureError(f"{file}:{line}: {key}={text} is negative")
+        raise CaptureError(f"{where}: {key}={text} is negative")
     return sum(values)
 
 

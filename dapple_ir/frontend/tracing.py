@@ -26,8 +26,9 @@ from dapple_ir.frontend.graph_checks import (
     is_in_place,
 )
 from dapple_ir.frontend.method_failure import MethodFailed, combined_error, quiet
-from dapple_ir.frontend.module_paths import LOSS, MODEL, fetch, model_path, strip_model
+from dapple_ir.frontend.module_paths import LOSS, MODEL, WRAPPER_PATH, fetch, model_path, strip_model
 from dapple_ir.frontend.propagation import propagate
+from dapple_ir.frontend.sizes import localise_sizes
 from dapple_ir.frontend.source_locations import caller_location
 
 log = logging.getLogger("dapple_ir.frontend.capture")
@@ -99,6 +100,7 @@ def _trace_fx(wrapper: Any, flat: tuple, leaf: LeafPolicy) -> Any:
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
             value = fetch(wrapper, node.target)
+            node.meta[WRAPPER_PATH] = node.target
             node.target = strip_model(node.target)
             root[node.target] = value
         if node.name.startswith(MODEL + "_"):
@@ -148,10 +150,12 @@ def _graph_module_from_export(ep: Any, wrapper: Any) -> Any:
         node = nodes[spec.arg.name]
         if spec.kind is InputKind.USER_INPUT:
             continue
-        value = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else fetch(wrapper, spec.target)
+        constant = spec.kind is InputKind.CONSTANT_TENSOR
+        value = ep.constants[spec.target] if constant else fetch(wrapper, spec.target)
         target = strip_model(spec.target)
         root[target] = value
-        _lower_placeholder(graph, node, target)
+        # A lifted constant is no attribute of the wrapper: it lives in the graph module alone.
+        _lower_placeholder(graph, node, target, None if constant else spec.target)
     output = next(n for n in graph.nodes if n.op == "output")
     values = list(output.args[0])
     loss = None
@@ -163,7 +167,7 @@ def _graph_module_from_export(ep: Any, wrapper: Any) -> Any:
             with graph.inserting_before(output), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 buffer = graph.get_attr(target)
-                buffer.meta = dict(value.meta)
+                buffer.meta = {**value.meta, WRAPPER_PATH: spec.target}
                 graph.call_function(torch.ops.aten.copy_.default, (buffer, value))
         elif spec.kind is OutputKind.USER_OUTPUT:
             loss = value
@@ -206,11 +210,13 @@ def _concretise(graph: Any) -> None:
         if unbacked:
             raise dynamic_shape_error(node, f"sizes {sorted(map(str, unbacked))} depend on values")
         if node.op == "placeholder":
-            node.meta["symbolic_batch"] = isinstance(val, torch.Tensor) and not isinstance(val.shape[0], int)
+            # A batch the model pins (x.reshape(4, 3)) is still a SymInt, but one without free symbols.
+            symbolic = isinstance(val, torch.Tensor) and bool(symbolic_shapes.free_symbols(val.shape[0]))
+            node.meta["symbolic_batch"] = symbolic
         node.meta["val"] = tree_map(_concrete, val)
 
 
-def _lower_placeholder(graph: Any, node: Any, target: str) -> None:
+def _lower_placeholder(graph: Any, node: Any, target: str, wrapper_path: str | None) -> None:
     """One `get_attr` per reader, next to it (as fx does), so stages take their reads with them."""
     for user in list(node.users):
         with graph.inserting_before(user), warnings.catch_warnings():
@@ -218,6 +224,8 @@ def _lower_placeholder(graph: Any, node: Any, target: str) -> None:
             warnings.simplefilter("ignore")
             read = graph.get_attr(target)
         read.meta = {"val": node.meta.get("val"), **{k: v for k, v in user.meta.items() if k == "nn_module_stack"}}
+        if wrapper_path is not None:
+            read.meta[WRAPPER_PATH] = wrapper_path
         if user.stack_trace:
             read.stack_trace = user.stack_trace
         user.replace_input_with(node, read)
@@ -228,6 +236,8 @@ def _dead_code_free(gm: Any) -> Any:
     # Values the loss does not need (the logits of a dict output, say) would be stage work for nothing.
     # In-place ops stay: their effect is on their operand, not on their (often unused) result.
     check_no_input_mutation(gm)
+    # Before dead code goes: the size values each op reads become its own, so the originals die.
+    localise_sizes(gm.graph)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_in_place(gm, n))
     gm.recompile()
     return gm

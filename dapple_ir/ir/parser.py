@@ -2,15 +2,21 @@
 
 Syntax errors and unresolved names raise `ParseError` with `file:line:column`, the offending line
 and what was expected there. Semantic checks (SSA order, types, stages) are the verifier's job.
+
+Every input gives either a module or a located `ParseError`: bytes that are not UTF-8
+(`read_ir_file`), nesting deeper than `MAX_NESTING`, integers outside 64 bits, numbers that
+overflow to infinity and bad escapes in quoted names are errors here, never internal exceptions.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import typing
 from dataclasses import dataclass, fields
 from importlib.resources import files
+from pathlib import Path
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -39,6 +45,26 @@ from dapple_ir.ir import (
     TupleType,
     Type,
 )
+
+#: Deepest nesting of lists and tuple types the text form accepts (the printer never goes past a few).
+MAX_NESTING = 32
+#: Integers are 64-bit signed.
+_INT_LIMIT = 2**63
+
+
+def read_ir_file(path: str | Path) -> str:
+    """The text of an IR file; bytes that are not UTF-8 are a `ParseError` at their line and column."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = data[: exc.start]
+        line = before.count(b"\n") + 1
+        column = exc.start - (before.rfind(b"\n") + 1) + 1
+        raise ParseError(
+            f"{path}:{line}:{column}: byte 0x{data[exc.start]:02x} is not UTF-8; IR text files are UTF-8 "
+            "(was the file written by another tool or truncated?)"
+        ) from None
 
 
 @functools.cache
@@ -70,9 +96,22 @@ def parse_pipeline(text: str) -> list[PassSpec]:
             for opt in opts.children:
                 assert isinstance(opt, Tree)
                 key, val = (str(t) for t in opt.children)
-                options[key] = json.loads(val) if val.startswith('"') else val
+                options[key] = _pipeline_string(val, text, opt.children[1]) if val.startswith('"') else val
         specs.append(PassSpec(str(name_tok), options, name_tok.column or 0))
     return specs
+
+
+def _pipeline_string(quoted: str, text: str, at: Token | Tree) -> str:
+    try:
+        value = json.loads(quoted)
+    except json.JSONDecodeError as exc:
+        column = at.column if isinstance(at, Token) and at.column else 1
+        raise ParseError(
+            f"<pipeline>:1:{column}: bad escape in quoted option {quoted[:40]!r}: {exc.msg}\n"
+            + _excerpt(text, 1, column)
+        ) from None
+    assert isinstance(value, str)
+    return value
 
 
 def parse_module(text: str, filename: str = "<string>") -> Module:
@@ -128,9 +167,17 @@ _TOKEN_WORDS = {
 
 
 def _excerpt(text: str, line: int, column: int) -> str:
-    lines = text.splitlines()
+    # Lines as the lexer counts them: only \n ends a line (splitlines would also split at \f, \v, ...).
+    lines = text.split("\n")
     source = lines[line - 1] if 0 < line <= len(lines) else ""
-    return f"    {source}\n    {' ' * max(column - 1, 0)}^"
+    # A window of the line around the column, so a 5,000-character line quotes readably.
+    start = max(column - 1 - _EXCERPT_HALF, 0)
+    shown = source[start : column - 1 + _EXCERPT_HALF]
+    lead, tail = ("..." if start else ""), ("..." if len(source) > column - 1 + _EXCERPT_HALF else "")
+    return f"    {lead}{shown}{tail}\n    {' ' * (len(lead) + max(column - 1 - start, 0))}^"
+
+
+_EXCERPT_HALF = 60
 
 
 @functools.cache
@@ -160,7 +207,7 @@ class _ModuleBuilder:
     def build(self, tree: Tree) -> Module:
         name_tok = tree.children[0]
         assert isinstance(name_tok, Token)
-        module = Module(_symbol(name_tok))
+        module = Module(self.symbol_text(name_tok))
         items = tree.children[1:]
         if items and isinstance(items[0], Tree) and items[0].data == "module_attrs":
             module.attrs = self.attrs(ModuleAttrs, items[0].children[0])
@@ -197,11 +244,11 @@ class _ModuleBuilder:
     def param(self, tree: Tree) -> Param:
         name_tok, type_tree, *rest = tree.children
         assert isinstance(name_tok, Token) and isinstance(type_tree, Tree)
-        t = self.ir_type(type_tree)
+        t = self.ir_type(type_tree, name_tok)
         if not isinstance(t, TensorType):
             raise self.error(name_tok, f"parameter {name_tok} must have a tensor type")
         attrs = self.attrs(ParamAttrs, rest[0]) if rest else ParamAttrs()
-        return Param(_symbol(name_tok), t, attrs)
+        return Param(self.symbol_text(name_tok), t, attrs)
 
     def op(self, tree: Tree) -> tuple[Op, list[Token]]:
         children = list(tree.children)
@@ -217,7 +264,7 @@ class _ModuleBuilder:
         rest = children[2:]
         first = rest[0] if rest else None
         if isinstance(first, Token) and first.type == "SYMBOL":
-            target = _symbol(first)
+            target = self.symbol_text(first)
             rest.pop(0)
         if rest and isinstance(rest[0], Tree) and rest[0].data == "operands":
             operand_toks = [t for t in rest.pop(0).children if isinstance(t, Token)]
@@ -227,7 +274,7 @@ class _ModuleBuilder:
         name = str(value_tok)[1:]
         if name in self.values:
             raise self.error(value_tok, f"%{name} is defined twice (SSA values have one definition)")
-        op = Op(name, kind, [], self.ir_type(type_tree), target, attrs)
+        op = Op(name, kind, [], self.ir_type(type_tree, value_tok), target, attrs)
         self.values[name] = op
         return op, operand_toks
 
@@ -236,7 +283,7 @@ class _ModuleBuilder:
         assert isinstance(name_tok, Token) and isinstance(members, Tree)
         ops = [self.value(t) for t in members.children if isinstance(t, Token)]
         attrs = self.attrs(record, rest[0]) if rest else record()
-        return _symbol(name_tok), ops, attrs
+        return self.symbol_text(name_tok), ops, attrs
 
     def program(self, tree: Tree) -> RankProgram:
         name_tok, *rest = tree.children
@@ -245,7 +292,7 @@ class _ModuleBuilder:
         if rest and isinstance(rest[0], Tree) and rest[0].data == "attr_dict":
             attrs = self.attrs(ProgramAttrs, rest.pop(0))
         instrs = [self.instr(t) for t in rest if isinstance(t, Tree)]
-        return RankProgram(_symbol(name_tok), instrs, attrs)
+        return RankProgram(self.symbol_text(name_tok), instrs, attrs)
 
     def instr(self, tree: Tree) -> Instr:
         kind_tok = tree.children[0]
@@ -265,14 +312,16 @@ class _ModuleBuilder:
             elif part.data == "value_ref":
                 instr.value = self.value(toks[0])
             elif part.data == "param_ref":
-                instr.param = _symbol(toks[0])
+                instr.param = self.symbol_text(toks[0])
             elif part.data == "mb":
-                instr.mb = int(toks[0])
+                instr.mb = self.integer(toks[0])
             elif part.data in ("to_peer", "from_peer"):
                 self.check_peer_word(instr.kind, str(part.data)[:-5], kind_tok)
-                instr.peer = int(toks[0])
+                instr.peer = self.integer(toks[0])
             elif part.data == "group":
-                instr.group = tuple(int(str(t)) for t in part.children[0].children)  # type: ignore[union-attr]
+                ints = part.children[0]
+                assert isinstance(ints, Tree)
+                instr.group = tuple(self.integer(t) for t in ints.children if isinstance(t, Token))
         return instr
 
     def check_peer_word(self, kind: InstrKind, word: str, at: Token) -> None:
@@ -288,22 +337,23 @@ class _ModuleBuilder:
         return self.values[name]
 
     def stage(self, tok: Token) -> Stage:
-        name = _symbol(tok)
+        name = self.symbol_text(tok)
         if name not in self.stages:
             raise self.error(tok, f"stage @{name} is not defined in this module")
         return self.stages[name]
 
-    def ir_type(self, tree: Tree) -> Type:
+    def ir_type(self, tree: Tree, at: Token, depth: int = 0) -> Type:
         if tree.data == "opaque_type":
             return OpaqueType()
         if tree.data == "tuple_type":
-            return TupleType(tuple(self.ir_type(t) for t in tree.children if isinstance(t, Tree)))
+            self.check_depth(at, depth)
+            return TupleType(tuple(self.ir_type(t, at, depth + 1) for t in tree.children if isinstance(t, Tree)))
         dtype_tok, *dims = tree.children
         assert isinstance(dtype_tok, Token)
         if str(dtype_tok) not in DTYPE_BYTES:
             valid = ", ".join(DTYPE_BYTES)
             raise self.error(dtype_tok, f"unknown element type {str(dtype_tok)!r}; valid: {valid}")
-        return TensorType(str(dtype_tok), tuple(int(str(d)) for d in dims))
+        return TensorType(str(dtype_tok), tuple(self.integer(d) for d in dims if isinstance(d, Token)))
 
     def attrs(self, record: typing.Any, tree: typing.Any) -> typing.Any:
         assert isinstance(tree, Tree)
@@ -322,7 +372,7 @@ class _ModuleBuilder:
         return record(**values)
 
     def attr_value(self, key: Token, kind: str, tree: Tree) -> object:
-        raw = self.literal(tree)
+        raw = self.literal(tree, key)
         ok = True
         if kind.startswith("bool"):
             ok = isinstance(raw, bool)
@@ -341,9 +391,10 @@ class _ModuleBuilder:
             raise self.error(key, f"attribute {str(key)!r} must be {kind.replace(' | None', '')}")
         return raw
 
-    def literal(self, tree: Tree) -> object:
+    def literal(self, tree: Tree, at: Token, depth: int = 0) -> object:
         if tree.data == "list_value":
-            return tuple(self.literal(c) for c in tree.children if isinstance(c, Tree))
+            self.check_depth(at, depth)
+            return tuple(self.literal(c, at, depth + 1) for c in tree.children if isinstance(c, Tree))
         if tree.data == "true_value":
             return True
         if tree.data == "false_value":
@@ -351,14 +402,35 @@ class _ModuleBuilder:
         tok = tree.children[0]
         assert isinstance(tok, Token)
         if tree.data == "int_value":
-            return int(tok)
+            return self.integer(tok)
         if tree.data == "float_value":
-            return float(tok)
+            value = float(tok)
+            if not math.isfinite(value):
+                raise self.error(tok, f"number {str(tok)[:40]} is out of range (it overflows to infinity)")
+            return value
         if tree.data == "string_value":
-            return json.loads(str(tok))
-        return _symbol(tok)
+            return self.quoted(tok, str(tok))
+        return self.symbol_text(tok)
 
+    def integer(self, tok: Token) -> int:
+        text = str(tok)
+        # Check the length first: int() refuses very long digit strings with a ValueError of its own.
+        if len(text.lstrip("-")) > 19 or not -_INT_LIMIT <= int(text) < _INT_LIMIT:
+            raise self.error(tok, f"integer {text[:40]}{'...' if len(text) > 40 else ''} is out of the 64-bit range")
+        return int(text)
 
-def _symbol(tok: Token) -> str:
-    body = str(tok)[1:]
-    return json.loads(body) if body.startswith('"') else body
+    def quoted(self, tok: Token, text: str) -> str:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise self.error(tok, f"bad escape in quoted text {text[:40]!r}: {exc.msg}") from None
+        assert isinstance(value, str)
+        return value
+
+    def symbol_text(self, tok: Token) -> str:
+        body = str(tok)[1:]
+        return self.quoted(tok, body) if body.startswith('"') else body
+
+    def check_depth(self, at: Token, depth: int) -> None:
+        if depth >= MAX_NESTING:
+            raise self.error(at, f"the value of {str(at)!r} is nested deeper than {MAX_NESTING} levels")

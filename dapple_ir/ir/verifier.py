@@ -1,18 +1,21 @@
 """Structural verifier of the IR, separate from the parser.
 
 Checks SSA (one definition, defined before use), operand types where the op kind fixes them,
-references to parameters, layer and stage membership, and that rank programs refer to existing
-stages, values, ranks and microbatches. Errors name the culprit and reprint the IR around it.
+references to parameters (read at their declared type), layer and stage membership, that stages
+form a DAG on distinct non-negative devices, that rank programs refer to existing stages, values,
+ranks and microbatches on distinct devices, and that every number is in range (`ranges`). Errors
+name the culprit and reprint the IR around it.
 Deadlock freedom and memory fit are whole-plan properties checked by the `verify` pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, TupleType
-from dapple_ir.ir.printer import Namer, print_module
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Layer, Module, Op, OpKind, RankProgram, Stage, TupleType
+from dapple_ir.ir.printer import Namer, format_type, print_module
+from dapple_ir.ir.ranges import attr_problems, batch_problem, stage_cycle, type_problem
 
 _CONTEXT_LINES = 3
 
@@ -39,6 +42,7 @@ class _Verifier:
         self.op_set = set(module.ops)
         self.stage_set = set(module.stages)
         self.param_names = {p.name for p in module.params}
+        self.param_types = {p.name: p.type for p in module.params}
 
     def op_error(self, op: Op, message: str) -> VerifyError:
         name = self.namer(op)
@@ -58,12 +62,31 @@ class _Verifier:
         return VerifyError(f"verify: {program.name}, instruction {index}: {message}\n{where}")
 
     def run(self) -> None:
+        self.check_numbers()
         self.check_params()
         self.check_ops()
         self.check_groups("layer", self.module.layers, require_all=bool(self.module.layers))
         self.check_groups("stage", self.module.stages, require_all=bool(self.module.stages))
         self.check_stages()
         self.check_programs()
+
+    def check_numbers(self) -> None:
+        module = self.module
+        for problem in attr_problems(module.attrs):
+            raise VerifyError(f"verify: module @{module.name}: {problem}")
+        for p in module.params:
+            for problem in _problems(type_problem(p.type), attr_problems(p.attrs)):
+                raise VerifyError(f"verify: parameter @{p.name}: {problem}")
+        for op in module.ops:
+            for problem in _problems(type_problem(op.type), attr_problems(op.attrs)):
+                raise self.op_error(op, problem)
+        groups: list[Layer | Stage | RankProgram] = [*module.layers, *module.stages, *module.programs]
+        for group in groups:
+            for problem in attr_problems(group.attrs):
+                raise VerifyError(f"verify: @{group.name}: {problem}")
+        mismatch = batch_problem(module)
+        if mismatch:
+            raise VerifyError(f"verify: {mismatch}")
 
     def check_params(self) -> None:
         seen: set[str] = set()
@@ -98,6 +121,12 @@ class _Verifier:
             raise self.op_error(op, f"{op.kind.value} needs a target (@callee)")
         if op.kind is OpKind.GET_ATTR and op.target not in params:
             raise self.op_error(op, f"get_attr reads @{op.target}, which is not a declared parameter")
+        if op.kind is OpKind.GET_ATTR and op.type != self.param_types[str(op.target)]:
+            declared = self.param_types[str(op.target)]
+            raise self.op_error(
+                op,
+                f"reads @{op.target} as {format_type(op.type)} but the parameter is declared {format_type(declared)}",
+            )
         if op.kind is OpKind.OUTPUT:
             if len(op.operands) != 1:
                 raise self.op_error(op, f"output takes exactly one operand, not {len(op.operands)}")
@@ -146,10 +175,25 @@ class _Verifier:
                     f"verify: stage @{stage.name} has {stage.replicas} replicas but "
                     f"{len(devices)} devices {list(devices)}; give one device per replica"
                 )
+            if devices is not None and len(set(devices)) != len(devices):
+                raise VerifyError(f"verify: stage @{stage.name} puts two replicas on one device: {list(devices)}")
+        cycle = stage_cycle(self.module)
+        if cycle:
+            path = " -> ".join(f"@{name}" for name in cycle)
+            raise VerifyError(f"verify: stages form a cycle ({path}): a pipeline's values must flow one way")
 
     def check_programs(self) -> None:
         n = len(self.module.programs)
+        on_device: dict[int, str] = {}
         for index, program in enumerate(self.module.programs):
+            device = program.attrs.device
+            if device is not None and device in on_device:
+                raise VerifyError(
+                    f"verify: programs @{on_device[device]} and @{program.name} both run on device {device}; "
+                    "each rank needs a device of its own"
+                )
+            if device is not None:
+                on_device[device] = program.name
             if program.attrs.rank is not None and program.attrs.rank != index:
                 raise VerifyError(
                     f"verify: program @{program.name} says rank = {program.attrs.rank} but is "
@@ -179,8 +223,7 @@ class _Verifier:
                 return f"{kind.value} needs a value, a microbatch and a peer rank"
             if not 0 <= instr.peer < n_ranks or instr.peer == rank:
                 return f"peer rank {instr.peer} is not another rank of 0..{n_ranks - 1}"
-        compute = COMPUTE_KINDS
-        if kind in compute and (instr.stage is None or instr.mb is None):
+        if kind in COMPUTE_KINDS and (instr.stage is None or instr.mb is None):
             return f"{kind.value} needs a stage and a microbatch"
         if kind is InstrKind.FREE and (instr.mb is None or (instr.stage is None) == (instr.value is None)):
             return "free needs a microbatch and exactly one of a stage or a value"
@@ -198,3 +241,9 @@ class _Verifier:
         if instr.param is not None and instr.param not in self.param_names:
             return f"allreduce of parameter @{instr.param}, which is not declared"
         return None
+
+
+def _problems(first: str | None, rest: Iterator[str]) -> Iterator[str]:
+    if first:
+        yield first
+    yield from rest

@@ -12,12 +12,16 @@ over the stages from last to first so that dynamic programming can use the same 
     a_s    = F_s + B_s + 2 c_s                      first microbatch's path through s and its cut
     G_s    = max(busy_s, a_s + G_{s+1})             pipeline time seen from stage s
     H_s    = max(AR_s, H_{s+1} - (B_s + c_s))       allreduce time not hidden by the drain
-    T      = G_0 + max(0, H_0)
+    T      = max(G_0 + max(0, H_0), floor)
 
 F, B scale with the microbatch b = global_batch / M; c_s is the transfer of the cut after s over
 the link the placement uses (intra-node only when both stages sit on one node); AR_s is the ring
-allreduce of stage s's gradients over its replica group. With equal stages and free links this is
-(M + S - 1)(F + B), the closed form of GPipe and 1F1B.
+allreduce of stage s's gradients over its replica group, alone on the network
+(`Network.allreduce_s`: the ring's steps share the links they cross). `floor` is the card floor
+(`dapple_ir.planner.traffic`): the bytes every cut (activations and gradients, M microbatches) and
+every allreduce push through each network card per iteration, over the card's bandwidth, at the
+busiest card; the activations and allreduces that share a card add up there. With equal stages and
+free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B.
 
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
@@ -34,8 +38,10 @@ from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
 from dapple_ir.cluster.spec import ClusterSpec, Link
+from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module
+from dapple_ir.planner.traffic import busiest, cut_crossings, ring_crossings, ring_step_bytes
 
 #: The device placement policies (see `place`).
 POLICIES = ("append-first", "fresh-first", "scatter-first")
@@ -67,8 +73,11 @@ class Problem:
     batch: int
     names: list[str] = field(default_factory=list)
     """Layer names, for reports."""
+    network: Network = field(init=False, repr=False, compare=False)
+    """The cluster's links (built from `cluster`)."""
 
     def __post_init__(self) -> None:
+        self.network = Network(self.cluster)
         self.pf = [0.0, *accumulate(self.fwd_s)]
         self.pb = [0.0, *accumulate(self.bwd_s)]
         self.pa = [0.0, *accumulate(self.act_bytes)]
@@ -173,6 +182,12 @@ class Estimate:
     stage_capacity: tuple[float, ...]
     bottleneck: int
     """Stage with the largest busy time."""
+    floor_s: float = 0.0
+    """The card floor: the busiest network card's bytes per iteration over its bandwidth."""
+    busiest_link: str = ""
+    """The link with the most seconds of traffic per iteration (cards, ports or buses), or ''."""
+    busiest_s: float = 0.0
+    """Its bytes per iteration over its bandwidth."""
 
     @property
     def fits(self) -> bool:
@@ -222,6 +237,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     n = len(cand.stages)
     g, h = -math.inf, -math.inf
     peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
+    network = problem.network
+    loads: dict[int, float] = {}
     for s in range(n - 1, -1, -1):
         st = cand.stages[s]
         fwd = (problem.pf[st.hi] - problem.pf[st.lo]) * scale
@@ -231,15 +248,31 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
         c = 0.0
         if s < n - 1:
             nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
-            c = cut_link(problem.cluster, st.devices, cand.stages[s + 1].devices).transfer_s(nbytes)
-        ar = problem.cluster.allreduce_s(problem.pg[st.hi] - problem.pg[st.lo], st.devices)
+            after = cand.stages[s + 1].devices
+            c = cut_link(problem.cluster, st.devices, after).transfer_s(nbytes)
+            _add(loads, cut_crossings(network, st.devices, after, m), nbytes)
+        grads = problem.pg[st.hi] - problem.pg[st.lo]
+        _add(loads, ring_crossings(network, st.devices), ring_step_bytes(grads, st.replicas))
+        ar = network.allreduce_s(grads, st.devices)
         g = max(busy, share * (fwd + bwd) + 2 * c + g)
         h = max(ar, h - (bwd + c))
         busies[s] = busy
         peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, b)
         caps[s] = min(problem.capacity(d) for d in st.devices)
     tail = max(0.0, h)
-    return Estimate(g + tail, g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)))
+    _card, floor = busiest(network, loads, network.card_links)
+    link, seconds = busiest(network, loads)
+    name = network.links[link].name if link >= 0 else ""
+    return Estimate(
+        max(g + tail, floor), g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)), floor, name, seconds
+    )
+
+
+def _add(loads: dict[int, float], crossings: dict[int, int], nbytes: float) -> None:
+    if nbytes <= 0:
+        return
+    for link, count in crossings.items():
+        loads[link] = loads.get(link, 0.0) + count * nbytes
 
 
 # ------------------------------------------------------------------------------------ placement

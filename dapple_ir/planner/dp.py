@@ -1,11 +1,18 @@
 """Dynamic programming over layers × devices: cuts, replica counts and placement, exact for the
-cost model of `pipeline_cost` when the Pareto fronts are not capped.
+cost model of `cost_model.evaluate` when the Pareto fronts are not capped.
 
-The recursion runs from the last stage to the first (see `pipeline_cost`): the suffix of layers
-[i, L) placed from device-order offset d has a Pareto front of (G, H, n) — pipeline time seen from
-its first stage, unhidden allreduce, stage count — and whether its first stage sits alone on the
-node the previous stage would end on (which decides the link of the cut before it). Both G and H
-of a stage grow monotonically with the suffix's, so the front is all a predecessor needs.
+The recursion runs from the last stage to the first (see `cost_model`): the suffix of layers
+[i, L) placed from device-order offset d has a Pareto front of (G, H, n, loads) — pipeline time
+seen from its first stage, unhidden allreduce, stage count, and the bytes its cuts and allreduces
+push through each network card — and whether its first stage sits alone on the node the previous
+stage would end on (which decides the link of the cut before it). G, H and every card's load grow
+monotonically with the suffix's, so the front is all a predecessor needs; the card floor is the
+busiest card's load over its bandwidth. The cut before the suffix adds to the cards of the suffix's
+first stage, so with uncapped fronts entries are kept apart by where that stage lies.
+
+Clusters with more than `EXACT_CARDS` card links carry only the floor of each stage's own allreduce,
+a lower bound that stays cheap on a thousand devices: the cost model, which counts every cut, then
+ranks what the DP finds.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ from dapple_ir.planner.cost_model import (
     evaluate,
     stage_start,
 )
+from dapple_ir.planner.traffic import cut_crossings, ring_crossings, ring_step_bytes
+
+#: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
+#: DAPPLE's 2x8 (4) and 16x1 (32) clusters; beyond, a tuple per entry would slow the DP down.
+EXACT_CARDS = 32
 
 
 def replica_choices(cluster: ClusterSpec) -> list[int]:
@@ -55,12 +67,14 @@ def policies_for(cluster: ClusterSpec, policies: tuple[str, ...]) -> list[str]:
     return list(policies)
 
 
-# A suffix plan: (g, h, n, alone, start, replicas, end, child, objective). g: pipeline time seen from
-# its first stage; h: allreduce not hidden; n: stages; alone: its first stage lies on one node only,
-# the node of the device before `start`; the first stage holds layers up to `end` on devices from
-# `start`; objective: g + max(0, h), the iteration time if the plan started here.
+# A suffix plan: (g, h, n, alone, start, replicas, end, child, objective, loads, floor). g: pipeline
+# time seen from its first stage; h: allreduce not hidden; n: stages; alone: its first stage lies on
+# one node only, the node of the device before `start`; the first stage holds layers up to `end` on
+# devices from `start`; loads: bytes per card link (a tuple), or with many cards the floor of the
+# stages' own traffic (a float); floor: the card floor in seconds; objective:
+# max(g + max(0, h), floor), the iteration time if the plan started here.
 _Entry = tuple  # plain tuples: the DP creates millions of them
-_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE = range(9)
+_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE, _LOADS, _FLOOR = range(11)
 # Keys as C callables: the DP sorts millions of entries.
 _objective = itemgetter(_OBJECTIVE)
 _order_key = itemgetter(_G, _H, _N)
@@ -100,15 +114,67 @@ def solve(
     cut_bytes = problem.cut_bytes
     intra, inter = cluster.intra, cluster.inter
     exact_n = stages is not None
+    network = problem.network
+    card_index = {link: k for k, link in enumerate(network.card_links)}
+    inverse = [1.0 / network.links[link].bandwidth for link in network.card_links]
+    vector = len(card_index) <= EXACT_CARDS
+    none: tuple[tuple[int, float], ...] = ()
+    empty_loads: tuple[float, ...] | float = (0.0,) * len(card_index) if vector else 0.0
+    by_placement = front is None and vector and bool(card_index)
+
+    def on_cards(crossings: dict[int, int]) -> tuple[tuple[int, float], ...]:
+        return tuple((card_index[link], float(count)) for link, count in crossings.items() if link in card_index)
 
     @cache
-    def group(start: int, r: int) -> tuple[bool, float, float, float]:
-        """A replica group's facts: on one node?, memory, allreduce seconds per byte and latency."""
+    def group(start: int, r: int) -> tuple[bool, float, float, float, tuple[tuple[int, float], ...], float]:
+        """A replica group's facts: on one node?, memory, allreduce seconds per byte and latency, the
+        ring's steps on each card, and the busiest card's seconds per byte of a step."""
         devices = order[start : start + r]
         single = len({node[k] for k in range(start, start + r)}) == 1
-        ring = cluster.slowest_link(devices)
-        ar_bw = 2 * (r - 1) / r / ring.bandwidth if r > 1 else 0.0
-        return single, min(capacity[x] for x in devices), ar_bw, 2 * (r - 1) * ring.latency
+        if r == 1:
+            return single, min(capacity[x] for x in devices), 0.0, 0.0, none, 0.0
+        slowest = max(c / network.links[k].bandwidth for k, c in network.ring_load(devices).items())
+        ar_bw = ring_step_bytes(1.0, r) * slowest
+        ring = on_cards(ring_crossings(network, devices))
+        peak = max((count * inverse[k] for k, count in ring), default=0.0)
+        return single, min(capacity[x] for x in devices), ar_bw, 2 * (r - 1) * network.ring_latency(devices), ring, peak
+
+    @cache
+    def cut_cards(start: int, r: int, child_start: int, child_r: int) -> tuple[tuple[int, float], ...]:
+        """The cut's transfers (activations and gradients) on each card, per byte of one microbatch."""
+        a, b = order[start : start + r], order[child_start : child_start + child_r]
+        spanned = {node[k] for k in (*range(start, start + r), *range(child_start, child_start + child_r))}
+        if not vector or len(spanned) == 1:
+            return none
+        return on_cards(cut_crossings(network, a, b, microbatches))
+
+    def add(
+        loads: tuple[float, ...] | float,
+        floor: float,
+        ring: tuple[tuple[int, float], ...],
+        peak: float,
+        step: float,
+        cut: tuple[tuple[int, float], ...],
+        x: float,
+    ) -> tuple[tuple[float, ...] | float, float]:
+        """A suffix's loads and floor with a stage's ring (`step` bytes a step; `peak`: its busiest
+        card's seconds per byte) and the cut after it (`x` bytes a transfer) added."""
+        if (not ring or step <= 0.0) and (not cut or x <= 0.0):
+            return loads, floor
+        if not vector:
+            mine = step * peak
+            return (mine if mine > loads else loads), (mine if mine > floor else floor)  # type: ignore[operator]
+        # Loads only grow: the floor moves only on the cards this stage adds to.
+        new = list(loads)  # type: ignore[arg-type]
+        for k, count in ring:
+            new[k] += count * step
+            if new[k] * inverse[k] > floor:
+                floor = new[k] * inverse[k]
+        for k, count in cut:
+            new[k] += count * x
+            if new[k] * inverse[k] > floor:
+                floor = new[k] * inverse[k]
+        return tuple(new), floor
 
     # Per cut: its transfer over an intra- and an inter-node link, for this microbatch size.
     c_intra_at = [intra.transfer_s(x * cut_scale) for x in cut_bytes]
@@ -130,53 +196,51 @@ def solve(
             start = stage_start(cluster, policy, d, r)
             if start + r > total or r > microbatches:
                 continue
-            single, cap, ar_bw, ar_lat = group(start, r)
+            single, cap, ar_bw, ar_lat, ring, peak = group(start, r)
             alone = single and d > 0 and node[d - 1] == node[start]
             per = -(-microbatches // r)
+            ring_factor = ring_step_bytes(1.0, r)
             for j, (f_sum, b_sum, static, a_sum, grads) in enumerate(spans, start=i + 1):
                 fwd, bwd = f_sum * scale, b_sum * scale
                 busy = per * (fwd + bwd)
                 if static > cap or busy > bound:
                     break
                 ar = grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0
+                step = grads * ring_factor
                 act = a_sum * act_scale
                 if j == layers:
                     if static + (per if gpipe else min(per, 2 if interleaved else 1)) * act <= cap:
-                        append((busy, ar, 1, alone, start, r, j, None, busy + ar if ar > 0.0 else busy))
+                        loads, floor = add(empty_loads, 0.0, ring, peak, step, none, 0.0)
+                        h_pos = busy + ar if ar > 0.0 else busy
+                        objective = floor if floor > h_pos else h_pos
+                        append((busy, ar, 1, alone, start, r, j, None, objective, loads, floor))
                     continue
+                x = cut_bytes[j - 1] * cut_scale
                 c_intra, c_inter = c_intra_at[j - 1], c_inter_at[j - 1]
                 path = share * (fwd + bwd)
                 children = suffix(j, start + r)
-                # No child can break the memory or stage limit: at most `per` microbatches are held
-                # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
-                if act >= 0.0 and static + per * act <= cap and limit > layers - j:
-                    if not single:
-                        base, hidden = path + 2 * c_inter, bwd + c_inter
-                        for child in children:
-                            g = base + child[0]
-                            if busy > g:
-                                g = busy
-                            if g > bound:
-                                continue
-                            h = child[1] - hidden
-                            if ar > h:
-                                h = ar
-                            append((g, h, child[2] + 1, alone, start, r, j, child, g + h if h > 0.0 else g))
-                        continue
-                    base_in, hidden_in = path + 2 * c_intra, bwd + c_intra
-                    base_x, hidden_x = path + 2 * c_inter, bwd + c_inter
+                # Without per-card loads the floor is the stage's own ring's, or the suffix's.
+                mine = step * peak
+                if not vector and act >= 0.0 and static + per * act <= cap and limit > layers - j:
+                    # No child can break the memory or stage limit: at most `per` microbatches are held
+                    # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
                     for child in children:
-                        if child[3]:
-                            g, h = base_in + child[0], child[1] - hidden_in
-                        else:
-                            g, h = base_x + child[0], child[1] - hidden_x
+                        c = c_intra if (single and child[_ALONE]) else c_inter
+                        g = path + 2 * c + child[_G]
                         if busy > g:
                             g = busy
                         if g > bound:
                             continue
+                        h = child[_H] - (bwd + c)
                         if ar > h:
                             h = ar
-                        append((g, h, child[2] + 1, alone, start, r, j, child, g + h if h > 0.0 else g))
+                        floor = child[_FLOOR]
+                        if mine > floor:
+                            floor = mine
+                        objective = g + h if h > 0.0 else g
+                        if floor > objective:
+                            objective = floor
+                        append((g, h, child[_N] + 1, alone, start, r, j, child, objective, floor, floor))
                     continue
                 for child in children:
                     n = child[_N] + 1
@@ -194,12 +258,24 @@ def solve(
                     h = child[_H] - (bwd + c)
                     if ar > h:
                         h = ar
-                    append((g, h, n, alone, start, r, j, child, g + h if h > 0.0 else g))
-        return _prune(found, exact_n=exact_n, front=front)
+                    if vector:
+                        cut = cut_cards(start, r, child[_START], child[_REPLICAS])
+                        loads, floor = add(child[_LOADS], child[_FLOOR], ring, peak, step, cut, x)
+                    else:
+                        floor = child[_FLOOR]
+                        if mine > floor:
+                            floor = mine
+                        loads = floor
+                    objective = g + h if h > 0.0 else g
+                    if floor > objective:
+                        objective = floor
+                    append((g, h, n, alone, start, r, j, child, objective, loads, floor))
+        return _prune(found, exact_n=exact_n, front=front, by_placement=by_placement)
 
     entries = [e for e in suffix(0, 0) if stages is None or e[_N] == stages]
     suffix.cache_clear()
     group.cache_clear()
+    cut_cards.cache_clear()
     spans_from.cache_clear()
     if not entries:
         return None
@@ -212,13 +288,15 @@ def solve(
     return Candidate(tuple(result), microbatches, schedule, policy, "dp")
 
 
-def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None) -> tuple[_Entry, ...]:
-    """The Pareto front in (g, h, n) per (alone[, n]) class. With `front`, only the best 4 x front
-    entries by objective are considered and `front` of them kept, plus the one with fewest stages
-    (the lightest on memory for the stages before it)."""
-    groups: dict[tuple[bool, int], list[_Entry]] = {}
+def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placement: bool) -> tuple[_Entry, ...]:
+    """The Pareto front in (g, h, n, loads) per (alone[, n]) class, and per placement of the first
+    stage when `by_placement` (the cut before it adds to its cards). With `front`, only the best
+    4 x front entries by objective are considered and `front` of them kept, plus the one with fewest
+    stages (the lightest on memory for the stages before it)."""
+    groups: dict[tuple[bool, int, int, int], list[_Entry]] = {}
     for e in entries:
-        key = (e[_ALONE], e[_N] if exact_n else 0)
+        placed = (e[_START], e[_REPLICAS]) if by_placement else (0, 0)
+        key = (e[_ALONE], e[_N] if exact_n else 0, *placed)
         members = groups.get(key)
         if members is None:
             groups[key] = [e]
@@ -231,9 +309,9 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None) -> tuple[
         pool.sort(key=_order_key)
         kept: list[_Entry] = []
         for e in pool:
-            h, n = e[_H], e[_N]
+            h, n, loads = e[_H], e[_N], e[_LOADS]
             for k in kept:
-                if k[_H] <= h and k[_N] <= n:
+                if k[_H] <= h and k[_N] <= n and _lighter(k[_LOADS], loads):
                     break
             else:
                 kept.append(e)
@@ -244,6 +322,13 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None) -> tuple[
                 kept.append(min((e for e in members if e[_N] == least), key=_objective))
         result.extend(kept)
     return tuple(result)
+
+
+def _lighter(a: tuple[float, ...] | float, b: tuple[float, ...] | float) -> bool:
+    """Whether loads `a` are nowhere above `b` (card by card, or as floors)."""
+    if isinstance(a, tuple):
+        return all(x <= y for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    return a <= b  # type: ignore[operator]
 
 
 def plan_dp(

@@ -5,17 +5,28 @@ a one-hot replica choice per stage, device offsets d_s = R_0 + ... + R_{s-1}, an
 `pipeline_cost` written as lower bounds (G_s >= busy_s, G_s >= a_s + G_{s+1}, H_s >= AR_s,
 H_s >= H_{s+1} - B_s - c_s, T >= G_0, T >= G_0 + H_0) that the minimisation makes tight. Times are
 integers in units of `unit` seconds; whether a cut or a replica group stays on one node comes from
-the node of each stage's first and last device. Exact for the cost model (up to the time unit) when
-the solver reports OPTIMAL; otherwise the gap to its bound is reported.
+the node of each stage's first and last device. Where each stage lies is also one-hot, y[s][o, r]
+(stage s on devices [o, o + r)), which prices its allreduce (the ring's steps share the links they
+cross) and adds its traffic to each network card: the card floor T >= sum over stages of the ring's
+and the cut's bytes on the card / its bandwidth, written as lower bounds per placement. Exact for
+the cost model (up to the time unit) when the solver reports OPTIMAL; otherwise the gap to its
+bound is reported.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from dapple_ir.cluster.topology import Network
 from dapple_ir.planner.cost_model import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
 from dapple_ir.planner.dp import replica_choices
+from dapple_ir.planner.traffic import cut_crossings, ring_crossings, ring_step_bytes
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 _MEMORY_UNIT = 1024.0
 
@@ -112,6 +123,24 @@ def solve_ilp(
         md.add_division_equality(nl, end, per_node)
         first_node.append(nf)
         last_node.append(nl)
+    network = problem.network
+    cards = network.card_links
+    # y[s][(o, r)]: stage s on devices [o, o + r).
+    places = [(o, r) for r in choices for o in range(n_dev - r + 1)]
+    y = [{(o, r): md.new_bool_var(f"y{s}_{o}_{r}") for o, r in places} for s in range(stages)]
+    for s in range(stages):
+        for r, x in zip(choices, onehot[s], strict=True):
+            md.add(sum(v for (o, rr), v in y[s].items() if rr == r) == x)
+        md.add(sum(o * v for (o, _r), v in y[s].items()) == (sum(reps[:s]) if s else 0))
+    # Per card link and stage: the bytes its ring and its cut put on the card. They are compared with
+    # the card's bandwidth in a coarser time unit, `coarse` units, chosen so that a card moves at
+    # least 2**12 bytes in it: bytes stay exact and the numbers small (CP-SAT's presolve loses
+    # solutions of this model when they grow past ~2**40).
+    card_load: dict[int, list[cp_model.LinearExprT]] = {link: [] for link in cards}
+    slowest_card = min((network.links[link].bandwidth for link in cards), default=1.0)
+    coarse = 2 ** max(0, math.ceil(math.log2(2**12 / (slowest_card * unit))))
+    per_coarse = {link: round(network.links[link].bandwidth * unit * coarse) for link in cards}
+    cut_x = [0, *(round(problem.cut_bytes[j] * b / problem.batch) for j in range(layers))]
     g_next = h_next = None
     g0 = h0 = None
     for s in range(stages - 1, -1, -1):
@@ -124,19 +153,30 @@ def solve_ilp(
         static = at[s + 1]["s"] - at[s]["s"]
         act = at[s + 1]["a"] - at[s]["a"]
         busy, ar = md.new_int_var(0, big, f"busy{s}"), md.new_int_var(0, big, f"ar{s}")
-        spans = md.new_bool_var(f"spans{s}")
-        md.add(first_node[s] != last_node[s]).only_enforce_if(spans)
-        md.add(first_node[s] == last_node[s]).only_enforce_if(spans.negated())
         for r, x in zip(choices, onehot[s], strict=True):
             per = -(-m // r)
             md.add(busy >= per * (f + bw)).only_enforce_if(x)
             md.add(static + in_flight(schedule, stages - s, per) * act <= cap).only_enforce_if(x)
+        # Per card link: the bytes of this stage's ring on it, at its placement.
+        rings: dict[int, cp_model.IntVar] = {}
+        for (o, r), place in y[s].items():
             if r == 1:
                 continue
-            for flag, link in ((spans, cluster.inter), (spans.negated(), cluster.intra)):
-                coef = round(2 * (r - 1) / r / link.bandwidth / unit * 2**16)
-                lat = round(2 * (r - 1) * link.latency / unit)
-                md.add(ar * 2**16 >= coef * grads + lat * 2**16).only_enforce_if([x, flag])
+            devices = range(o, o + r)
+            slowest = max(k / network.links[link].bandwidth for link, k in network.ring_load(devices).items())
+            coef = round(ring_step_bytes(1.0, r) * slowest / unit * 2**16)
+            lat = round(2 * (r - 1) * network.ring_latency(devices) / unit)
+            md.add(ar * 2**16 >= coef * grads + lat * 2**16).only_enforce_if(place)
+            for link, k in ring_crossings(network, devices).items():
+                if link in card_load:
+                    if link not in rings:
+                        rings[link] = md.new_int_var(0, 2 * k * max(pg), f"ring{s}_{link}")
+                        card_load[link].append(rings[link])
+                    # k steps of 2(r-1)/r of the gradients each, in whole bytes.
+                    md.add(r * rings[link] >= 2 * (r - 1) * k * grads).only_enforce_if(place)
+        if cards and s < stages - 1:
+            x_s = element(e[s + 1], cut_x, f"x{s}")
+            _cut_loads(md, network, card_load, y[s], onehot[s + 1], choices, x_s, m, n_dev, s)
         c = md.new_int_var(0, big, f"c{s}")
         if s < stages - 1:
             intra = md.new_bool_var(f"intra{s}")
@@ -159,6 +199,12 @@ def solve_ilp(
     t = md.new_int_var(0, 4 * big, "T")
     md.add(t >= g0)
     md.add(t >= g0 + h0)
+    if any(card_load.values()):
+        floor = md.new_int_var(0, 4 * big // coarse + 1, "floor")
+        md.add(t >= coarse * floor)
+        for link, terms in card_load.items():
+            if terms:
+                md.add(floor * per_coarse[link] >= sum(terms))
     md.minimize(t)
     if hint is not None and len(hint.stages) == stages:
         for s in range(1, stages):
@@ -183,6 +229,37 @@ def solve_ilp(
     estimate = evaluate(problem, cand)
     bound_s = estimate.iteration_s if optimal else max(0.0, bound * unit)
     return IlpSolution(cand, estimate, optimal, bound_s, gap)
+
+
+def _cut_loads(
+    md: cp_model.CpModel,
+    network: Network,
+    card_load: dict[int, list[cp_model.LinearExprT]],
+    here: dict[tuple[int, int], cp_model.IntVar],
+    next_onehot: list[cp_model.IntVar],
+    choices: list[int],
+    x_s: cp_model.IntVar,
+    microbatches: int,
+    n_dev: int,
+    s: int,
+) -> None:
+    """The bytes of the cut after stage s on each card: for each placement of s and replica count of
+    s + 1 (which starts where s ends), its transfers on the card times the bytes of one, as lower
+    bounds."""
+    terms: dict[int, cp_model.IntVar] = {}
+    for (o, r), place in here.items():
+        for r2, nxt in zip(choices, next_onehot, strict=True):
+            if o + r + r2 > n_dev:
+                continue
+            crossings = cut_crossings(network, range(o, o + r), range(o + r, o + r + r2), microbatches)
+            for link, k in crossings.items():
+                if link not in card_load:
+                    continue
+                if link not in terms:
+                    terms[link] = md.new_int_var(0, 2 * microbatches * x_s.proto.domain[-1], f"cut{s}_{link}")
+                md.add(terms[link] >= k * x_s).only_enforce_if([place, nxt])
+    for link, var in terms.items():
+        card_load[link].append(var)
 
 
 def plan_ilp(

@@ -9,12 +9,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dapple_ir.cluster.spec import ClusterSpec, parse_shorthand
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Stage, StageAttrs
 from dapple_ir.planner.baselines import all_baselines
-from dapple_ir.planner.cost_model import POLICIES, Candidate, Estimate, Problem, evaluate, microbatch_choices
+from dapple_ir.planner.cost_model import (
+    POLICIES,
+    Candidate,
+    Estimate,
+    Problem,
+    candidate,
+    evaluate,
+    microbatch_choices,
+)
 from dapple_ir.planner.dp import plan_dp, policies_for, replicated_pipelines
 from dapple_ir.planner.ilp import plan_ilp
+from dapple_ir.planner.memory_fit import leanest_plan, tightest_layer
 from dapple_ir.schedules import SCHEDULES, ScheduleRequest, build_schedule
 from dapple_ir.units import GB
 
@@ -24,8 +34,9 @@ METHODS = ("auto", "dp", "ilp")
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
 
-Score = Callable[[Candidate], tuple[float, float]]
-"""Scores a candidate: (iteration seconds, worst peak bytes), as the simulator predicts them."""
+Score = Callable[[Problem, Candidate], tuple[float, float]]
+"""Scores a candidate of a problem: (iteration seconds, worst peak bytes), as the simulator predicts
+them. It takes the problem because the memory advice plans the same model on other clusters."""
 
 
 @dataclass
@@ -95,12 +106,13 @@ def validate(problem: Problem, req: Request) -> None:
         )
 
 
-def search(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
+def search(problem: Problem, req: Request, score: Score | None = None, *, advise: bool = True) -> Outcome:
     """The best fitting plan for `problem`, with the candidates that lost and why.
 
     With `score`, the best few candidates by the cost model (and every baseline) are scored and ranked
     by it; without, the cost model alone ranks them. A schedule the cost model has no formula for (one
-    a plugin registers) is estimated like 1f1b, and only the score tells it apart.
+    a plugin registers) is estimated like 1f1b, and only the score tells it apart. When nothing fits,
+    the PlanError carries the memory advice (`memory_advice`) unless `advise` is false.
     """
     validate(problem, req)
     cluster = problem.cluster
@@ -150,10 +162,12 @@ def search(problem: Problem, req: Request, score: Score | None = None) -> Outcom
             problem, microbatches=larger[-4:], schedules=[schedule], policies=policies, stages=req.stages
         ):
             pool.append(Scored(cand, est))
+    if not any(s.estimate.fits for s in pool):
+        pool += _leanest(problem, req, schedule)
     pool = _unique(pool)
     fitting = sorted((s for s in pool if s.estimate.fits), key=lambda s: s.estimate.iteration_s)
     if not fitting:
-        raise PlanError(no_fit_message(problem, pool, req))
+        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
     # The best few by the model, and every baseline, so that the plan shown is never slower in the
     # simulator than a rule a user could apply by hand.
     head = [s for k, s in enumerate(fitting) if k < SIMULATED or s.cand.source.startswith("baseline:")]
@@ -161,7 +175,7 @@ def search(problem: Problem, req: Request, score: Score | None = None) -> Outcom
     if score is not None and req.schedule is None:
         head += _schedule_variants(problem, fitting[:2])
     if score is not None:
-        _score_best(head, score)
+        _score_best(problem, head, score)
     cap = problem.capacity(0)
     for s in head:
         if s.simulated_peak is not None and s.simulated_peak > cap:
@@ -170,9 +184,15 @@ def search(problem: Problem, req: Request, score: Score | None = None) -> Outcom
     # Simulated times first (the number the user is shown), then the unsimulated by the model.
     timed = sorted((s for s in head if s not in over and s.simulated_s is not None), key=lambda s: s.time_s)
     untimed = sorted((s for s in head if s not in over and s.simulated_s is None), key=lambda s: s.time_s)
+    if score is not None and over and not timed and not untimed:
+        # Every simulated candidate overflows once lowered (the cost model counts less than a rank
+        # program holds): simulate more until one fits, so that `verify` accepts the plan chosen.
+        timed, more_over = _first_accepted(problem, _leanest(problem, req, schedule), tail, score, cap)
+        tail = [s for s in tail if s not in timed and s not in more_over]
+        over += more_over
     ranked = timed + untimed + tail
     if not ranked:
-        raise PlanError(no_fit_message(problem, pool, req))
+        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
     ranked += over
     chosen = ranked[0]
     rejected = [s for s in pool if not s.estimate.fits]
@@ -196,9 +216,12 @@ def _schedule_variants(problem: Problem, best: list[Scored]) -> list[Scored]:
 
 
 def _unique(pool: list[Scored]) -> list[Scored]:
+    """One entry per plan; each baseline keeps its own even when another proposes the same plan (the
+    explain table lists every rule; the twin is simulated once, `_score_best`)."""
     seen: dict[tuple, Scored] = {}
     for s in pool:
-        key = (s.cand.stages, s.cand.microbatches, s.cand.schedule)
+        rule = s.cand.source if s.cand.source.startswith("baseline:") else ""
+        key = (s.cand.stages, s.cand.microbatches, s.cand.schedule, rule)
         if key not in seen:
             seen[key] = s
     return list(seen.values())
@@ -220,7 +243,7 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
     attrs.cluster = problem.cluster.name or attrs.cluster
 
 
-def _score_best(best: list[Scored], score: Score) -> None:
+def _score_best(problem: Problem, best: list[Scored], score: Score) -> None:
     done: list[tuple[Candidate, Scored]] = []
     for s in best:
         twin = next((t for c, t in done if _lowers_alike(c, s.cand)), None)
@@ -229,7 +252,7 @@ def _score_best(best: list[Scored], score: Score) -> None:
             s.simulated_s, s.simulated_peak, s.note = twin.simulated_s, twin.simulated_peak, twin.note
             continue
         try:
-            s.simulated_s, s.simulated_peak = score(s.cand)
+            s.simulated_s, s.simulated_peak = score(problem, s.cand)
         except (ImportError, DappleError) as exc:
             s.note = f"not simulated: {str(exc).splitlines()[0][:120]}"
         done.append((s.cand, s))
@@ -260,51 +283,208 @@ def _lowers_alike(a: Candidate, b: Candidate) -> bool:
     return build_schedule(a.schedule, request) == build_schedule(b.schedule, request)
 
 
-def no_fit_message(problem: Problem, pool: list[Scored], req: Request) -> str:
+def _leanest(problem: Problem, req: Request, schedule: str) -> list[Scored]:
+    """When nothing else fits: for each microbatch count, the candidate that fits on the fewest
+    devices counting what its rank programs receive too (`memory_fit.leanest_plan`), and copies of
+    it over the devices left (more replicas hold fewer microbatches each)."""
+    g, n = problem.global_batch, problem.cluster.num_devices
+    found = []
+    for m in [req.microbatches] if req.microbatches else _divisors(g):
+        lean = leanest_plan(problem, m, schedule, req.stages, transfers=True)
+        if lean is None or lean.devices > n:
+            continue
+        copies = n // lean.devices
+        for k in sorted({1, *(2**e for e in range(copies.bit_length())), copies}):
+            replicas = [r * k for r in lean.replicas]
+            cand = candidate(
+                problem, list(lean.bounds), replicas, m, schedule, req.policy or "append-first", "memory-first"
+            )
+            if cand is not None:
+                found.append(Scored(cand, evaluate(problem, cand)))
+    return found
+
+
+def _first_accepted(
+    problem: Problem, lean: list[Scored], tail: list[Scored], score: Score, cap: float
+) -> tuple[list[Scored], list[Scored]]:
+    """([the first candidate whose simulated peak fits], [those simulated that did not]): the
+    memory-first ones (built to fit once lowered), then the rest, each by the model's time;
+    at most 2 x SIMULATED simulations."""
+    rejected: list[Scored] = []
+    order = sorted((c for c in lean if c.estimate.fits), key=lambda c: c.estimate.iteration_s) + tail
+    for s in order[: 2 * SIMULATED]:
+        _score_best(problem, [s], score)
+        if s.simulated_peak is None or s.simulated_peak <= cap:
+            return [s], rejected
+        s.note = f"simulated peak {s.simulated_peak / 1e9:.1f} GB exceeds {cap / 1e9:.1f} GB"
+        rejected.append(s)
+    return [], rejected
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def no_fit_message(
+    problem: Problem, pool: list[Scored], req: Request, score: Score | None = None, *, advise: bool = True
+) -> str:
+    """Why nothing fits on this cluster, and (with `advise`) the memory advice."""
     cluster = problem.cluster
     cap = problem.capacity(0)
-    kind = cluster.device(0).name
-    gb = GB
-    biggest = max(problem.static_bytes)
-    if biggest > cap:
-        return (
-            f"no plan fits in memory on {cluster.name}: layer {problem.names[problem.static_bytes.index(biggest)]} "
-            "alone "
-            f"needs {biggest / gb:.1f} GB of parameters, gradients and optimizer state, more than one {kind} "
-            f"holds ({cap / gb:.1f} GB); use devices with more memory"
-        )
     least = min((s.estimate.peak_bytes for s in pool), default=math.inf)
     text = (
-        f"no plan fits in memory on {cluster.name} ({cluster.num_devices} x {cap / gb:.1f} GB) for global batch "
-        f"{problem.global_batch}: parameters, gradients and optimizer state take {problem.ps[-1] / gb:.1f} GB in all"
-        + (f", and the leanest candidate still needs {least / gb:.1f} GB on one device" if least < math.inf else "")
+        f"no plan fits in memory on {cluster.name} ({cluster.num_devices} x {cap / GB:.1f} GB) for global batch "
+        f"{problem.global_batch}: parameters, gradients and optimizer state take {problem.ps[-1] / GB:.1f} GB in all"
+        + (f", and the leanest candidate still needs {least / GB:.1f} GB on one device" if least < math.inf else "")
     )
-    return text + ". " + _fit_hint(problem, req)
+    if not advise:
+        return text + "."
+    return text + ". " + memory_advice(problem, req, score).text
 
 
-def _fits_somehow(problem: Problem, microbatches: list[int], stages: int | None) -> bool:
-    found = plan_dp(
-        problem, microbatches=microbatches, schedules=["1f1b"], policies=["append-first"], stages=stages, front=1
+#: The largest cluster the memory advice considers, in devices.
+ADVICE_MAX_DEVICES = 4096
+
+#: At most this many clusters (besides the given one) are planned to confirm an advice.
+ADVICE_MAX_CLUSTERS = 8
+
+
+@dataclass(frozen=True)
+class MemoryAdvice:
+    """The one answer to "what makes it fit": the smallest cluster of the same device kind and node
+    shape on which the planner finds a plan (this one, when only the microbatch count must change),
+    with the microbatch count to ask for. Every cluster and count it names was planned by `search`
+    with the same request and score, so following it gives a plan; every smaller cluster either
+    cannot fit by the memory model (`memory_fit.leanest_plan`) or was planned and found no plan."""
+
+    text: str
+    """The advice as the error message gives it."""
+    cluster: str | None = None
+    """The cluster that fits (this one or the smallest that does); None when none does."""
+    microbatches: int | None = None
+    """`--microbatches` to ask for; None when the request's own (or the planner's choice) fits."""
+    least_devices: int | None = None
+    """Fewest devices on which any candidate fits by the memory model; None when none at any size."""
+    tried: tuple[str, ...] = ()
+    """Clusters the planner ran on and found no plan, smallest first."""
+    recompute: str | None = None
+    """RECOMPUTATION: activation recomputation does not exist yet. Once it does, this names the flag
+    that makes the model fit on the given cluster by recomputing (a stage then keeps only its inputs
+    per microbatch in flight), confirmed by planning with it like every other answer; it is filled in
+    at the place marked RECOMPUTATION in `memory_advice`, and comes before the answers that change
+    the cluster or the microbatch count."""
+
+
+def memory_advice(problem: Problem, req: Request, score: Score | None = None) -> MemoryAdvice:
+    """What makes `problem` fit, computed by one rule (see `MemoryAdvice`).
+
+    In order: when no plan fits on any number of devices, the layer that needs the most memory even
+    alone with one sample; else, when the request forces a microbatch count, this cluster with the
+    fewest other count that plans; else the fewest nodes, from the memory model's lower bound up to
+    `ADVICE_MAX_DEVICES` devices (at most `ADVICE_MAX_CLUSTERS` planned), on which the planner finds
+    a plan with the request as given (or, when it forces a count, with the fewest other count that
+    plans). A request that leaves the count to the planner needs no other: when nothing else fits,
+    `search` tries the leanest candidate of every count. Only counts the memory model allows on a
+    cluster are planned there.
+    """
+    cluster, g = problem.cluster, problem.global_batch
+    kind, cap = cluster.device(0).name, problem.capacity(0)
+    schedule = req.schedule or "1f1b"
+    needs = {m: lean.devices for m in _divisors(g) if (lean := leanest_plan(problem, m, schedule, req.stages))}
+    # RECOMPUTATION: once recomputation exists, plan with it here on `cluster` (as `first_that_plans`
+    # below does) and, when that plans, return MemoryAdvice(<its text>, cluster.name, recompute=<flag>).
+    if not needs:
+        return MemoryAdvice(_no_cluster_text(problem, req))
+    least = min(needs.values())
+    each = f"{kind} devices ({cap / GB:.1f} GB each)"
+
+    def first_that_plans(trial: Problem, *, as_given: bool) -> Request | None:
+        fits = [m for m in sorted(needs) if needs[m] <= trial.cluster.num_devices and m != req.microbatches]
+        counts = fits if req.microbatches is not None else []
+        asks = ([req] if as_given else []) + [dataclasses.replace(req, microbatches=m) for m in counts]
+        return next((ask for ask in asks if _plans(trial, ask, score)), None)
+
+    if req.microbatches is not None and least <= cluster.num_devices:
+        here = first_that_plans(problem, as_given=False)  # as given, it just failed
+        if here is not None and here.microbatches is not None:
+            m = here.microbatches
+            return MemoryAdvice(
+                f"It fits on {cluster.name} with --microbatches {m} (microbatch size {g // m}).", cluster.name, m, least
+            )
+    per, tried = cluster.devices_per_node, list[str]()
+    last = ADVICE_MAX_DEVICES // per
+    for nodes in range(max(1, -(-least // per)), last + 1):
+        if nodes == cluster.nodes:
+            continue
+        if len(tried) == ADVICE_MAX_CLUSTERS:
+            last = nodes - 1
+            break
+        name, bigger = _resized(cluster, nodes)
+        ask = first_that_plans(dataclasses.replace(problem, cluster=bigger), as_given=True)
+        if ask is None:
+            tried.append(name)
+            continue
+        count = ask.microbatches if ask.microbatches != req.microbatches else None
+        flags = (f"--cluster {name}" if _is_shorthand(cluster) else "") + (f" --microbatches {count}" if count else "")
+        return MemoryAdvice(
+            f"The smallest cluster of {per}-device nodes that fits is {name}"
+            + (f" ({flags.strip()})" if flags else "")
+            + f": by the memory model no plan fits on fewer than {least} {each}"
+            + (f", and the planner finds none on {', '.join(tried)}" if tried else "")
+            + ".",
+            name,
+            count,
+            least,
+            tuple(tried),
+        )
+    return MemoryAdvice(
+        f"No cluster of {per}-device nodes up to {_resized(cluster, last)[0]} fits it: by the memory model no plan "
+        f"fits on fewer than {least} {each}"
+        + (f", and the planner finds none on {', '.join(tried)}" if tried else "")
+        + "; use devices with more memory.",
+        None,
+        None,
+        least,
+        tuple(tried),
     )
-    return any(est.fits for _cand, est in found)
 
 
-def _fit_hint(problem: Problem, req: Request) -> str:
-    """The largest microbatch count, else the smallest cluster of this node shape, that would fit."""
-    g, cluster = problem.global_batch, problem.cluster
-    if req.microbatches != g and _fits_somehow(problem, [g], req.stages):
-        return f"It fits with --microbatches {g} (microbatch size 1)."
+def _plans(problem: Problem, req: Request, score: Score | None) -> bool:
+    try:
+        search(problem, req, score, advise=False)
+    except PlanError:
+        return False
+    return True
+
+
+def _is_shorthand(cluster: ClusterSpec) -> bool:
     per, kind = cluster.devices_per_node, cluster.device(0).name
-    start = max(cluster.nodes + 1, math.ceil(problem.ps[-1] / problem.capacity(0) / per))
-    nodes = start
-    while nodes * per <= 4096:
-        bigger = dataclasses.replace(cluster, node_kinds=(cluster.node_kinds[0],) * nodes, name=f"{nodes}x{per}x{kind}")
-        trial = dataclasses.replace(problem, cluster=bigger)
-        if _fits_somehow(trial, microbatch_choices(g, bigger.num_devices), req.stages):
-            shape = f"{nodes}x{per}x{kind}"
-            return f"The smallest cluster of {per}-device nodes that fits is {shape} (--cluster {shape})."
-        nodes = nodes + 1 if nodes < start + 8 else int(nodes * 1.5)
-    return "No cluster of up to 4096 such devices fits it; use devices with more memory."
+    return cluster.name in (f"{cluster.nodes}x{per}x{kind}", f"{per}x{kind}" if cluster.nodes == 1 else "")
+
+
+def _resized(cluster: ClusterSpec, nodes: int) -> tuple[str, ClusterSpec]:
+    """`cluster` with `nodes` nodes, and its name: a shorthand when `cluster` came from one (so that
+    the advice is planned on exactly what `--cluster NAME` builds), else a description."""
+    if _is_shorthand(cluster):
+        shape = f"{nodes}x{cluster.devices_per_node}x{cluster.device(0).name}"
+        return shape, parse_shorthand(shape)
+    name = f"{cluster.name or 'this cluster'} with nodes = {nodes}"
+    return name, dataclasses.replace(cluster, node_kinds=(cluster.node_kinds[0],) * nodes, name=name)
+
+
+def _no_cluster_text(problem: Problem, req: Request) -> str:
+    kind, cap = problem.cluster.device(0).name, problem.capacity(0)
+    if req.stages is not None:
+        return (
+            f"No plan of {req.stages} stages fits on any number of {kind} devices ({cap / GB:.1f} GB each); "
+            "leave --stages to the planner, or use devices with more memory."
+        )
+    worst = tightest_layer(problem)
+    return (
+        f"No cluster of {kind} devices fits it: layer {worst.name} alone needs {worst.static_bytes / GB:.1f} GB "
+        f"of parameters, gradients and optimizer state and {worst.activation_bytes / GB:.1f} GB of activations "
+        f"for one sample, more than one {kind} holds ({cap / GB:.1f} GB); use devices with more memory."
+    )
 
 
 def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], rejected: list[Scored]) -> list[str]:
@@ -312,13 +492,21 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
     lines = [
         f"plan: {problem.layers} layers, global batch {problem.global_batch}, cluster {problem.cluster.name} "
         f"({problem.cluster.num_devices} devices); {len(ranked)} fitting candidates, {len(rejected)} rejected",
-        f"{'#':>3}  {'source':<28} {'S':>3} {'replicas':<22} {'P':>3} {'policy':<13} {'M':>4} {'schedule':<8} "
-        f"{'model ms':>10} {'sim ms':>10} {'peak GB':>8}  verdict",
+        f"{'#':>3}  {'source':<28} {'S':>3} {'replicas':<18} {'P':>3} {'policy':<13} {'M':>4} {'schedule':<8} "
+        f"{'model ms':>10} {'sim ms':>10} {'peak GB':>8} {'busiest link':<16} {'%':>3}  verdict",
     ]
     for k, s in enumerate([*ranked[:12], *rejected[:8]], start=1):
         c, e = s.cand, s.estimate
         reps = ",".join(str(r) for r in c.replicas)
-        reps = reps if len(reps) <= 22 else reps[:19] + "..."
+        reps = reps if len(reps) <= 18 else reps[:15] + "..."
+        # The link the plan loads most (bytes per iteration over its bandwidth), and that time's share
+        # of the model's iteration: 100 % means the link alone sets the pace.
+        link = e.busiest_link or "-"
+        share = (
+            f"{min(999, round(100 * e.busiest_s / e.iteration_s)):>3}"
+            if e.busiest_link and e.iteration_s > 0
+            else "  -"
+        )
         sim = f"{s.simulated_s * 1e3:10.3f}" if s.simulated_s is not None else f"{'-':>10}"
         if s is chosen:
             verdict = "CHOSEN"
@@ -337,8 +525,9 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
             if s.note:
                 verdict += f" ({s.note})"
         lines.append(
-            f"{k:>3}  {c.source:<28} {len(c.stages):>3} {reps:<22} {c.pipelines:>3} {c.policy:<13} "
-            f"{c.microbatches:>4} {c.schedule:<8} {e.iteration_s * 1e3:10.3f} {sim} {e.peak_bytes / gb:8.2f}  {verdict}"
+            f"{k:>3}  {c.source:<28} {len(c.stages):>3} {reps:<18} {c.pipelines:>3} {c.policy:<13} "
+            f"{c.microbatches:>4} {c.schedule:<8} {e.iteration_s * 1e3:10.3f} {sim} {e.peak_bytes / gb:8.2f} "
+            f"{link:<16} {share}  {verdict}"
         )
     cuts = ", ".join(
         f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}" for k, st in enumerate(chosen.cand.stages)

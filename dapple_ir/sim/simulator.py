@@ -8,20 +8,30 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   samples) times b / cost_batch.
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
   the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value.
-- `send` is an isend: the data leaves when the instruction issues and arrives latency + bytes /
-  bandwidth later (the link between the two devices); the sender does not wait. Bytes are
-  `value.out_bytes * b / module.attrs.batch`, the same for a gradient.
+- `send` is an isend: its bytes start to flow over the path between the two devices
+  (`dapple_ir.cluster.topology`) when the instruction issues, and arrive the path's latency after
+  the last byte is through; the sender does not wait. Bytes are `value.out_bytes * b /
+  module.attrs.batch`, the same for a gradient; a zero-byte send arrives when it issues (it still
+  orders the two ranks).
 - `recv` blocks the rank until the matching send's data has arrived.
-- `allreduce` starts when every member of its group has reached it and takes the cluster's ring cost
-  (`ClusterSpec.allreduce_s`) over the stage's trainable parameter bytes, less parameters tied to
-  other stages (those have their own `allreduce param`, costed at the parameter's bytes);
-  it blocks its members, as DAPPLE's planner assumes (the reduction is not hidden behind the drain).
+- `allreduce` starts when every member of its group has reached it. It is a ring over the members
+  in device order: each of the n steps sends 2(n-1)/n of the gradient bytes from one member to the
+  next, all steps at once; it ends when the last step's bytes are through, plus 2(n-1) times the
+  slowest hop's latency. The bytes are the stage's trainable parameter bytes, less parameters tied
+  to other stages (those have their own `allreduce param`, costed at the parameter's bytes). It
+  blocks its members, as DAPPLE's planner assumes (the reduction is not hidden behind the drain).
 - `optimizer_step` streams parameters, gradients and optimizer state through device memory once:
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
 - `load_microbatch` and `free` take no time.
-Without a cluster (none given and none named by the module) links and memory are ideal: every
-transfer, allreduce and optimizer step takes zero time.
+
+Sharing rule: transfers and allreduce steps in flight at the same time share the links they cross
+(switch ports, a node's bus, network cards). Each link's bandwidth is split equally among the flows
+crossing it, and a flow moves at the smallest share along its path; the shares are recomputed
+whenever a flow starts or ends (`dapple_ir.sim.link_sharing`). A flow alone gets the path's full
+bandwidth, so one transfer at a time costs latency + bytes / bandwidth, the closed form; no link
+ever carries more than its bandwidth. Without a cluster (none given and none named by the module)
+links and memory are ideal: every transfer, allreduce and optimizer step takes zero time.
 
 Memory per rank: static bytes (parameters, gradients, optimizer state of the hosted stages) plus
 the saved activations of each forward until its `free @stage mb`, the gradients a `backward_input`
@@ -29,13 +39,15 @@ keeps for its `backward_weight` until the same free, and each received tensor fr
 its `free` (`peak_memory.memory_changes`). Memory changes when an instruction starts, so the
 per-rank peak equals the peak over instruction order that `insert-frees` computes statically.
 
-The simulator is O(instructions): a per-rank cursor loop that parks a rank on a recv or allreduce
-and wakes it when the data or the last group member arrives.
+The engine runs ranks in global time order: a rank computes ahead on its own until it reaches a
+send, recv or allreduce at a time when something else (another rank, a flow's end) happens first;
+then it waits in an event queue. Compute costs nothing beyond the loop; each transfer costs a few
+queue operations and a rate update on the links of its path.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +57,11 @@ from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes,
 from dapple_ir.analysis.stage_graph import tied_params
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.plan_dir import read_module
+from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
 from dapple_ir.units import format_bytes, format_seconds
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
@@ -76,6 +90,21 @@ class InstrEvent:
     """For a send: when its data arrives; for a recv: when the rank could go on."""
 
 
+@dataclass(frozen=True, slots=True)
+class LinkLoad:
+    """What one link carried in the iteration."""
+
+    name: str
+    bandwidth: float
+    """Bytes/s."""
+    nbytes: float
+
+    @property
+    def busy_s(self) -> float:
+        """The least time the link needs for its bytes: no iteration is shorter."""
+        return self.nbytes / self.bandwidth
+
+
 @dataclass(slots=True)
 class SimulationResult:
     """Predicted timing and memory of one training iteration of a plan."""
@@ -98,6 +127,8 @@ class SimulationResult:
     """ends[rank][index]: when it ended (a send: when its data arrived)."""
     memory: list[list[tuple[float, float]]] = field(default_factory=list)
     """Per rank: (time, bytes) after each change, starting with the static bytes at time 0."""
+    links: list[LinkLoad] = field(default_factory=list)
+    """Every link that carried bytes, busiest first."""
 
     @property
     def ranks(self) -> int:
@@ -127,6 +158,13 @@ class SimulationResult:
             peak = format_bytes(self.peak_bytes[r])
             lines.append(f"{r:>4}  {device:>6}  {busy:>7.1f}  {bubble:>8.1f}  {peak:>12}")
         mean_bubble = 100.0 * sum(bubbles) / max(1, len(bubbles))
+        if self.links and self.iteration_s > 0:
+            busiest = self.links[0]
+            lines.append(
+                f"busiest link: {busiest.name}, {format_bytes(busiest.nbytes)} in "
+                f"{format_seconds(busiest.busy_s)} at full bandwidth "
+                f"({100.0 * busiest.busy_s / self.iteration_s:.0f} % of the iteration)"
+            )
         lines.append(
             f"iteration {format_seconds(self.iteration_s)} on {self.cluster_name}; mean bubble {mean_bubble:.1f} %; "
             f"peak memory {format_bytes(max(self.peak_bytes, default=0.0))}"
@@ -154,7 +192,7 @@ def simulate(
         )
     if not 0.0 <= backward_input_fraction <= 1.0:
         raise DappleError(f"backward_input_fraction must lie in [0, 1], got {backward_input_fraction}")
-    spec = _resolve(cluster if cluster is not None else module.attrs.cluster)
+    spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
     return _Simulator(module, spec, backward_input_fraction).run()
 
 
@@ -167,16 +205,17 @@ def _load(module_or_path: Module | str | Path) -> Module:
     return read_module(module_or_path)
 
 
-def ideal_cluster() -> ClusterSpec:
-    """A cluster whose links and memory cost nothing: only compute takes time."""
+def ideal_cluster(devices: int = 1) -> ClusterSpec:
+    """A cluster of `devices` whose links and memory cost nothing: only compute takes time."""
     free = Link(_INF, 0.0)
     kind = DeviceKind("ideal", _INF, {"f32": _INF}, _INF)
-    return ClusterSpec((kind,), 1 << 30, free, free, name="ideal")
+    return ClusterSpec((kind,), max(1, devices), free, free, name="ideal")
 
 
-def _resolve(cluster: ClusterSpec | str | None) -> ClusterSpec:
+def _resolve(cluster: ClusterSpec | str | None, module: Module) -> ClusterSpec:
     if cluster is None:
-        return ideal_cluster()
+        devices = [_device_of(module, p, r) for r, p in enumerate(module.programs)]
+        return ideal_cluster(max(devices, default=0) + 1)
     if isinstance(cluster, ClusterSpec):
         return cluster
     return resolve_cluster(cluster)
@@ -195,6 +234,10 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ the engine
+
+
+#: What the engine's event queue holds: a rank to run on, or the first end in a bundle of flows.
+_RESUME, _FLOW_END = 0, 1
 
 
 class _Simulator:
@@ -221,17 +264,25 @@ class _Simulator:
             self.bwd_input[stage], self.bwd_weight[stage] = bwd * f, bwd * (1.0 - f)
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         self.sizes = Sizes(module)
+        self.network = Network(cluster)
+        self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
         self.reduce_bytes: dict[Stage, float] = {}
-        self.transfers: dict[tuple[Op, int, int], float] = {}
+        self.routes: dict[tuple[Op, int, int], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
 
     # ----------------------------------------------------------------------- instruction costs
 
-    def transfer_s(self, value: Op, src: int, dst: int) -> float:
-        """Seconds from issuing `send value` on rank src until the data is on rank dst."""
-        link = self.cluster.link(self.devices[src], self.devices[dst])
-        seconds = self.transfers[(value, src, dst)] = link.transfer_s(transfer_bytes(self.module, value))
-        return seconds
+    def route(self, value: Op, src: int, dst: int) -> tuple[float, tuple[int, ...], float]:
+        """(bytes, links, latency) of `send value` from rank src to rank dst; no links when the path
+        costs nothing (ideal links)."""
+        a, b = self.devices[src], self.devices[dst]
+        path = self.network.path(a, b)
+        found = self.routes[(value, src, dst)] = (
+            transfer_bytes(self.module, value),
+            () if self.sharing.is_free(path) else path,
+            self.network.latency(a, b),
+        )
+        return found
 
     def optimizer_s(self, rank: int) -> float:
         kind = self.cluster.device(self.devices[rank])
@@ -242,17 +293,15 @@ class _Simulator:
         state = memory.optimizer_state_factor(self.module.attrs.optimizer)
         return (3.0 + 2.0 * state) * param_bytes / kind.mem_bandwidth
 
-    def allreduce(self, instr: Instr) -> tuple[tuple, float, int]:
-        """(what is reduced over which group, seconds, group size) of an allreduce."""
+    def reduced(self, instr: Instr) -> tuple[tuple, float]:  # type: ignore[type-arg]
+        """(what is reduced over which group, bytes) of an allreduce."""
         assert instr.group is not None
         if instr.param is not None:
             target, nbytes = "param " + instr.param, float(self.module.param(instr.param).nbytes)
         else:
             assert instr.stage is not None
             target, nbytes = "stage " + instr.stage.name, self.stage_reduce_bytes(instr.stage)
-        group = tuple(sorted(instr.group))
-        seconds = self.cluster.allreduce_s(nbytes, [self.devices[r] for r in group])
-        return (group, target), seconds, len(group)
+        return (tuple(sorted(instr.group)), target), nbytes
 
     def stage_reduce_bytes(self, stage: Stage) -> float:
         """Gradient bytes a stage's replicas sum: its trainable parameters less the tied ones, which
@@ -281,13 +330,24 @@ class _Simulator:
         # (rank, index) -> (rank, index) whose completion the instruction waited for.
         waited_on: dict[tuple[int, int], tuple[int, int]] = {}
         # (value, grad, mb, receiving rank) -> (arrival time, sending rank, send index)
-        arrivals: dict[tuple, tuple[float, int, int]] = {}
-        recv_waiters: dict[tuple, int] = {}
-        reduce_arrivals: dict[tuple, list[tuple[float, int, int]]] = {}
-        reduce_done: dict[tuple, tuple[float, float, int, int]] = {}
-        reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]
-        parked_key: list[tuple | None] = [None] * n
-        fwd, bwd, bwd_input, bwd_weight, transfers = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.transfers
+        arrivals: dict[tuple, tuple[float, int, int]] = {}  # type: ignore[type-arg]
+        recv_waiters: dict[tuple, int] = {}  # type: ignore[type-arg]
+        reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]  # type: ignore[type-arg]
+        parked_key: list[tuple | None] = [None] * n  # type: ignore[type-arg]
+        self.reduce_members: dict[tuple, list[tuple[float, int, int]]] = {}  # type: ignore[type-arg]
+        self.reduce_done: dict[tuple, tuple[float, float, int, int]] = {}  # type: ignore[type-arg]
+        reduce_done = self.reduce_done
+        # flow -> (transfer key, sending rank, send index, latency) or (allreduce key,)
+        self.owners: dict[int, tuple] = {}  # type: ignore[type-arg]
+        self.pending: dict[tuple, list[float]] = {}  # type: ignore[type-arg]
+        heap: list[tuple[float, int, int, int, int]] = []
+        self.heap = heap
+        self.ticket = 0
+        for r in range(n):
+            self.push(0.0, _RESUME, r)
+        fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
+        sharing, owners = self.sharing, self.owners
+        heappush, heappop = heapq.heappush, heapq.heappop
         # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
         k_fwd, k_bwd, k_free, k_send, k_recv = (
             InstrKind.FORWARD,
@@ -296,14 +356,23 @@ class _Simulator:
             InstrKind.SEND,
             InstrKind.RECV,
         )
-        k_bwd_input, k_bwd_weight, k_step = (
+        k_bwd_input, k_bwd_weight, k_step, k_reduce = (
             InstrKind.BACKWARD_INPUT,
             InstrKind.BACKWARD_WEIGHT,
             InstrKind.OPTIMIZER_STEP,
+            InstrKind.ALLREDUCE,
         )
-        ready = deque(range(n))
-        while ready:
-            r = ready.popleft()
+        now = 0.0
+        while heap:
+            now, _, event, r, version = heappop(heap)
+            if event == _FLOW_END:
+                # `r` is a bundle of flows over one path; its first flows are through.
+                if sharing.is_current(r, version):
+                    through, moved = sharing.finish(now, r)
+                    self.reschedule(moved)
+                    for flow in through:
+                        self.flow_ended(owners.pop(flow), now, arrivals, recv_waiters, ends, waited_on)
+                continue
             instrs, st, en = programs[r].instrs, starts[r], ends[r]
             i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
             while i < limit:
@@ -319,15 +388,30 @@ class _Simulator:
                     i += 1
                     continue
                 elif kind is k_send:
+                    # A flow starts on the network's clock: wait until nothing else happens first.
+                    if t > now:
+                        if heap and heap[0][0] < t:
+                            heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
+                            break
+                        now = t
                     value, peer = instr.value, instr.peer
-                    seconds = transfers.get((value, r, peer))  # type: ignore[arg-type]
-                    if seconds is None:
-                        seconds = self.transfer_s(value, r, peer)  # type: ignore[arg-type]
-                    key: tuple = (value, instr.grad, instr.mb, peer)
-                    arrivals[key] = (t + seconds, r, i)
-                    st[i], en[i] = t, t + seconds
-                    if recv_waiters.pop(key, None) is not None:
-                        ready.append(peer)  # type: ignore[arg-type]
+                    route = routes.get((value, r, peer))  # type: ignore[arg-type]
+                    if route is None:
+                        route = self.route(value, r, peer)  # type: ignore[arg-type]
+                    nbytes, path, latency = route
+                    key: tuple = (value, instr.grad, instr.mb, peer)  # type: ignore[type-arg]
+                    st[i] = t
+                    if nbytes > 0 and path:
+                        flow, moved = sharing.start(t, path, nbytes)
+                        owners[flow] = (key, r, i, latency)
+                        self.reschedule(moved)
+                    else:
+                        arrival = t + latency if nbytes > 0 else t
+                        arrivals[key] = (arrival, r, i)
+                        en[i] = arrival
+                        waiter = recv_waiters.pop(key, None)
+                        if waiter is not None:
+                            heappush(heap, (arrival, self.next_ticket(), _RESUME, waiter, 0))
                     i += 1
                     continue
                 elif kind is k_recv:
@@ -349,10 +433,15 @@ class _Simulator:
                     d = bwd_weight[instr.stage]  # type: ignore[index]
                 elif kind is k_step:
                     d = step_s[r]
-                elif kind is InstrKind.ALLREDUCE:
+                elif kind is k_reduce:
                     reduced = parked_key[r]
                     if reduced is None:
-                        reduced = self.arrive(r, i, t, instr, reduce_seen[r], reduce_arrivals, reduce_done, ready)
+                        if t > now:
+                            if heap and heap[0][0] < t:
+                                heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
+                                break
+                            now = t
+                        reduced = self.arrive(r, i, t, instr, reduce_seen[r])
                     done = reduce_done.get(reduced)
                     if done is None:
                         parked_key[r] = reduced
@@ -378,29 +467,76 @@ class _Simulator:
         self.check_finished(pc)
         return self.result(starts, ends, busy, waited_on)
 
-    def arrive(
+    def next_ticket(self) -> int:
+        """A tie-breaker for events at the same time: first pushed, first run."""
+        self.ticket += 1
+        return self.ticket
+
+    def push(self, time: float, event: int, subject: int, version: int = 0) -> None:
+        heapq.heappush(self.heap, (time, self.next_ticket(), event, subject, version))
+
+    def reschedule(self, moved: list[Reschedule]) -> None:
+        for bundle, end, version in moved:
+            self.push(end, _FLOW_END, bundle, version)
+
+    def flow_ended(
         self,
-        rank: int,
-        index: int,
-        t: float,
-        instr: Instr,
-        seen: dict[tuple, int],
-        arrivals: dict[tuple, list[tuple[float, int, int]]],
-        done: dict[tuple, tuple[float, float, int, int]],
-        ready: deque[int],
-    ) -> tuple:
-        """Register `rank` at an allreduce; the last member to arrive starts it and wakes the others."""
-        what, seconds, members = self.allreduce(instr)
+        owner: tuple,  # type: ignore[type-arg]
+        now: float,
+        arrivals: dict[tuple, tuple[float, int, int]],  # type: ignore[type-arg]
+        recv_waiters: dict[tuple, int],  # type: ignore[type-arg]
+        ends: list[list[float]],
+        waited_on: dict[tuple[int, int], tuple[int, int]],
+    ) -> None:
+        """A send's bytes are through (its data arrives a latency later), or one step of a ring is."""
+        if len(owner) == 1:
+            key = owner[0]
+            left = self.pending[key]
+            left[0] -= 1
+            if left[0] == 0:
+                self.finish_reduce(key, now + left[1])
+            return
+        key, src, index, latency = owner
+        arrival = now + latency
+        arrivals[key] = (arrival, src, index)
+        ends[src][index] = arrival
+        waiter = recv_waiters.pop(key, None)
+        if waiter is not None:
+            self.push(arrival, _RESUME, waiter)
+
+    def arrive(self, rank: int, index: int, t: float, instr: Instr, seen: dict[tuple, int]) -> tuple:  # type: ignore[type-arg]
+        """Register `rank` at an allreduce; the last member to arrive starts the ring."""
+        what, nbytes = self.reduced(instr)
         occurrence = seen.get(what, 0)
         seen[what] = occurrence + 1
         key = (what, occurrence)
-        present = arrivals.setdefault(key, [])
+        present = self.reduce_members.setdefault(key, [])
         present.append((t, rank, index))
-        if len(present) == members:
-            last = max(present)
-            done[key] = (last[0], last[0] + seconds, last[1], last[2])
-            ready.extend(m[1] for m in present if m[1] != rank)
+        if len(present) < len(what[0]):
+            return key
+        group = [self.devices[m] for m in what[0]]
+        steps = self.network.ring(group)
+        # Nothing to reduce costs nothing, as in `Network.allreduce_s`.
+        latency = 2 * (len(steps) - 1) * self.network.ring_latency(group) if steps and nbytes > 0 else 0.0
+        paths = [self.network.path(a, b) for a, b in steps] if nbytes > 0 else []
+        paths = [p for p in paths if not self.sharing.is_free(p)]
+        if not paths:
+            self.finish_reduce(key, t + latency)
+            return key
+        per_step = 2 * (len(steps) - 1) / len(steps) * nbytes
+        self.pending[key] = [len(paths), latency]
+        for path in paths:
+            flow, moved = self.sharing.start(t, path, per_step)
+            self.owners[flow] = (key,)
+            self.reschedule(moved)
         return key
+
+    def finish_reduce(self, key: tuple, end: float) -> None:  # type: ignore[type-arg]
+        present = self.reduce_members.pop(key)
+        last = max(present)
+        self.reduce_done[key] = (last[0], end, last[1], last[2])
+        for _t, member, _i in present:
+            self.push(end, _RESUME, member)
 
     def check_finished(self, pc: list[int]) -> None:
         programs = self.module.programs
@@ -428,6 +564,13 @@ class _Simulator:
     ) -> SimulationResult:
         curves = [self.memory_curve(r, starts[r]) for r in range(len(starts))]
         iteration = max((max(e, default=0.0) for e in ends), default=0.0)
+        info = self.network.links
+        loads = [
+            LinkLoad(info[k].name, info[k].bandwidth, carried)
+            for k, carried in enumerate(self.sharing.carried)
+            if carried > 0 and info[k].bandwidth < _INF
+        ]
+        loads.sort(key=lambda load: -load.busy_s)
         return SimulationResult(
             module=self.module,
             cluster_name=self.cluster.name,
@@ -438,6 +581,7 @@ class _Simulator:
             starts=starts,
             ends=ends,
             memory=curves,
+            links=loads,
         )
 
     def memory_curve(self, rank: int, starts: list[float]) -> list[tuple[float, float]]:

@@ -1,0 +1,83 @@
+"""The model zoo: tiny Hugging Face `transformers` models (GPT-2, Llama, Qwen2 with tied embeddings,
+BERT masked LM, T5, ViT), each with its library defaults, dropout included. Each is captured, planned
+as two stages on `2xcpu` whose stages each hold a fair share of the blocks, and trained for two steps
+on two CPU ranks with `--check` against single-device training.
+
+A fair share: every stage runs at least a quarter of the model's forward time. Each tiny model has
+two blocks (T5: two in the encoder, two in the decoder) holding 70-90% of its forward time, the rest
+being embeddings and heads; a cut between blocks gives each stage about half. A cut that keeps
+every block on one stage, as when a symbolic batch size stops coarsen from cutting between blocks,
+leaves the other stage only an embedding or a head, under 15% of the time here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.api import CompileResult
+from dapple_ir.api import compile as compile_plan
+from dapple_ir.backends.torch.launch import run
+from dapple_ir.frontend.model_spec import FactoryResult, load_model_spec
+from tests.paths import ROOT
+
+MODELS = {
+    "gpt2": f"{ROOT}/tests/hf_zoo.py:gpt2",
+    "llama": f"{ROOT}/examples/llama.py:factory",
+    "qwen2": f"{ROOT}/tests/hf_zoo.py:qwen2",
+    "bert": f"{ROOT}/tests/hf_zoo.py:bert",
+    "t5": f"{ROOT}/examples/t5.py:factory",
+    "vit": f"{ROOT}/tests/hf_zoo.py:vit",
+}
+
+#: The least share of the forward time each of the two stages must run (see the module docstring).
+FAIR_SHARE = 0.25
+
+
+@dataclass
+class Planned:
+    name: str
+    spec: str
+    plan_dir: Path
+    result: CompileResult
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def planned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Planned:
+    """The model captured on meta and compiled like `dapple compile SPEC --cluster 2xcpu --global-batch 8
+    --stages 2 -o PLAN`: one compile per model, shared by its tests."""
+    name = request.param
+    out = tmp_path_factory.mktemp(name) / "plan"
+    result = compile_plan(MODELS[name], cluster="2xcpu", global_batch=8, stages=2, out_dir=out)
+    return Planned(name, MODELS[name], out, result)
+
+
+@pytest.mark.slow
+def test_capture_holds_every_parameter_once(planned: Planned) -> None:
+    loaded = load_model_spec(planned.spec, device="meta", seed=0)
+    assert isinstance(loaded, FactoryResult)
+    # named_parameters lists a tied parameter (embedding and LM head) once, by its first name.
+    expected = {name: tuple(p.shape) for name, p in loaded.model.named_parameters()}
+    captured = {p.name: p.type.shape for p in planned.result.module.params if not p.attrs.buffer}
+    assert captured == expected
+
+
+@pytest.mark.slow
+def test_two_stages_each_run_a_fair_share(planned: Planned) -> None:
+    module = planned.result.module
+    assert len(module.stages) == 2
+    total = sum(op.attrs.fwd_s or 0.0 for op in module.ops)
+    shares = [sum(op.attrs.fwd_s or 0.0 for op in stage.ops) / total for stage in module.stages]
+    assert min(shares) >= FAIR_SHARE, (
+        f"{planned.name}: stages run {', '.join(f'{s:.0%}' for s in shares)} of the forward time "
+        f"({len(module.layers)} layers after coarsen)"
+    )
+
+
+@pytest.mark.slow
+def test_run_check_on_two_cpu_ranks(planned: Planned) -> None:
+    result = run(planned.plan_dir, steps=2, check=True, transport="torchrun", timeout=120, device="cpu")
+    assert result.check is not None and result.check.ok, f"{planned.name}: {result.check}"
+    assert len(result.losses) == 2
