@@ -121,6 +121,34 @@ def test_ilp_matches_exhaustive_search_with_shared_cards(fabric: str, cards: int
         assert found.estimate.iteration_s == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize(("cluster", "seed"), [("2x8xH100", 58), ("3x2xA100-80GB", 59)])
+def test_ilp_matches_the_exact_dp_with_a_card_per_device(cluster: str, seed: int) -> None:
+    """Larger than exhaustive search reaches: the uncapped DP is exact for the cost model (above)."""
+    problem = _problem(seed, layers=6, cluster=parse_shorthand(cluster))
+    found = solve_ilp(problem, 3, 8, "1f1b", time_limit_s=20)
+    dp = solve(problem, 8, "1f1b", "append-first", stages=3, front=None)
+    assert found is not None and dp is not None and found.optimal
+    assert found.estimate.iteration_s == pytest.approx(evaluate(problem, dp).iteration_s, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ilp_finds_the_optimum_of_vgg19_on_four_dgx_h100() -> None:
+    """The case where CP-SAT's presolve proved a plan 18 % slower than the DP's optimal."""
+    from dapple_ir.frontend.profile_import import import_profile
+    from dapple_ir.pass_manager import PassManager, build_pipeline
+    from dapple_ir.planner.cost_model import problem_from_module
+    from tests.paths import PROFILES
+
+    module = import_profile(str(PROFILES / "dapple-vgg-19-pbs-32.txt"))
+    module.attrs.optimizer = "adam"
+    PassManager(build_pipeline("coarsen")).run(module)
+    problem = problem_from_module(module, parse_shorthand("4x8xH100"), 1024)
+    found = solve_ilp(problem, 4, 1024, "gpipe", time_limit_s=30)
+    dp = solve(problem, 1024, "gpipe", "append-first", stages=4, front=None)
+    assert found is not None and dp is not None and found.optimal
+    assert found.estimate.iteration_s == pytest.approx(evaluate(problem, dp).iteration_s, rel=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_ilp_matches_exhaustive_search_and_dp(seed: int) -> None:
     cluster = parse_shorthand(CLUSTERS[seed % len(CLUSTERS)])
