@@ -4,7 +4,9 @@
 #      torchrun when there are 2+ GPUs, else every rank as a thread on the one GPU);
 #   2. memory on CUDA: allocator peak (torch.cuda.max_memory_allocated) of gpipe and 1f1b plans
 #      as M grows, against the IR's static prediction;
-#   3. one compile of a large model (GPT-2 XL size, 48 layers, meta device) for 4x8 H100s.
+#   3. one compile of a large model (GPT-2 XL size, 48 layers, meta device) for 4x8 H100s;
+#   4. our runtime vs torch.distributed.pipelining with NCCL (bench/runtime_vs_torch_pipelining.py
+#      --device cuda: MLP and GPT, 2 ranks, gpipe/1f1b/zb-h1), when there is one GPU per rank.
 # Usage:  bash bench/device_check.sh            (from anywhere; exits 2 at once without CUDA)
 #         DEVICE_CHECK_DEVICE=cpu bash bench/device_check.sh   (dry run of the same steps on CPU)
 # On a bare GPU machine (python3 with torch, no .venv) the checkout is installed into /tmp first; its
@@ -51,6 +53,7 @@ import torch
 import dapple_ir
 from dapple_ir.frontend.spec_loader import capture_spec
 from dapple_ir.ir.structure import structure_hash
+from dapple_ir.plan_dir import write_plan_json
 from dapple_ir.analysis.peak_memory import program_peak
 
 device = sys.argv[1]
@@ -106,7 +109,7 @@ def memory_row(schedule: str, m: int, base, model_hash: str) -> str:
                                optimizer="sgd", out_dir=plan)
     meta = json.loads((plan / "plan.json").read_text())
     meta["model_hash"] = model_hash  # the module given to compile was already planned (see bench/memory.py)
-    (plan / "plan.json").write_text(json.dumps(meta))
+    write_plan_json(plan, meta)  # reseals the plan: its digest covers plan.json
     run = dapple_ir.run(plan, steps=2, transport=transport, device=device, optimizer="sgd")
     cells = []
     for rank, program in enumerate(result.module.programs):
@@ -140,6 +143,28 @@ def compile_large() -> str:
 
 
 step("compile", "GPT-2 XL (48 layers) on 4x8xH100, global batch 512", compile_large)
+
+
+# 4. our runtime vs torch.distributed.pipelining on NCCL (one GPU per rank: NCCL refuses two ranks on one GPU)
+def versus_torch() -> str:
+    import subprocess
+
+    if device != "cuda":
+        return "not run in the CPU dry run (the CPU comparison is bench/runtime_vs_torch_pipelining.py)"
+    if gpus < 2:
+        return f"not run: NCCL needs one GPU per rank, this machine has {gpus}"
+    out = work / "runtime_vs_torch_pipelining.json"
+    bench = ["bench/runtime_vs_torch_pipelining.py", "--device", "cuda", "--procs", "2", "--pairs", "1",
+             "--budget", "150", "--json", str(out)]
+    proc = subprocess.run([sys.executable, *bench], capture_output=True, text=True, timeout=200)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1])
+    print(proc.stdout)
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("headline: median")]
+    return heads[0].removeprefix("headline: ") if heads else "no rows (see the table above)"
+
+
+step("vs torch (NCCL)", "MLP + GPT, 2 ranks, gpipe/1f1b/zb-h1", versus_torch)
 
 widths = [max(len(r[i]) for r in rows) for i in range(2)]
 print(f"{'check':<{widths[0]}}  {'setting':<{widths[1]}}  result")

@@ -54,6 +54,7 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, tr
 
     import dapple_ir
     from dapple_ir.analysis.peak_memory import program_peak
+    from dapple_ir.plan_dir import write_plan_json
 
     plan_dir = work / f"{schedule}-{m}"
     module = copy.deepcopy(planned)
@@ -68,7 +69,7 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, tr
     # and stages); record the hash of the model as captured, which is what the runtime checks.
     meta = json.loads((plan_dir / "plan.json").read_text())
     meta["model_hash"] = model_hash
-    (plan_dir / "plan.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_plan_json(plan_dir, meta)  # reseals the plan: its digest covers plan.json
     run = dapple_ir.run(plan_dir, steps=2, transport=transport, optimizer="sgd", device="cpu")
     rows = []
     for rank, program in enumerate(lowered.programs):

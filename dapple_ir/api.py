@@ -42,6 +42,7 @@ def default_pipeline(
     schedule: str | None = None,
     policy: str | None = None,
     max_layers: int | None = None,
+    virtual: int | None = None,
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
@@ -51,6 +52,8 @@ def default_pipeline(
     for key, value in (("stages", stages), ("microbatches", microbatches), ("schedule", schedule), ("policy", policy)):
         if value is not None:
             options.append(f"{key}={value}")
+    if virtual is not None:
+        options.append(f"virtual={virtual}")
     coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
     front = [] if profile else ["annotate-cost"]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
@@ -80,6 +83,7 @@ def compile(
     log: Any = None,
     manager: dict[str, Any] | None = None,
     force: bool = False,
+    virtual: int | None = None,
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
@@ -120,6 +124,7 @@ def compile(
         schedule=schedule,
         policy=policy,
         max_layers=max_layers,
+        virtual=virtual,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)
@@ -144,7 +149,8 @@ def _node_name(op: Any) -> str:
 
 
 def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dict[str, Any]:
-    """plan.json's contents (the field names are fixed: other tools read them)."""
+    """plan.json's contents (the field names are fixed: other tools read them). `plan_dir.write_plan_json`
+    adds the hashes of the plan's files and of the model spec's file, and the digest over them all."""
     peaks = {
         str(p.attrs.device if p.attrs.device is not None else k): float(p.attrs.peak_bytes or 0.0)
         for k, p in enumerate(module.programs)
@@ -165,6 +171,7 @@ def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dic
         "cluster": a.cluster,
         "global_batch": a.global_batch,
         "optimizer": optimizer,
+        "lr": None,  # the optimizer's default (`dapple run --lr` overrides it)
         "ranks": len(module.programs),
         "seed": 0,
     }

@@ -12,10 +12,13 @@ files are run only when they are byte-for-byte what the backend's codegen writes
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,6 +122,17 @@ class Plan:
     def seed(self) -> int:
         return int(self.meta.get("seed", 0))
 
+    @property
+    def lr(self) -> float | None:
+        """plan.json's learning rate; None: the optimizer's default."""
+        lr = self.meta.get("lr")
+        return None if lr is None else float(lr)
+
+    @property
+    def digest(self) -> str:
+        """The plan's digest (plan.json's `digest`, which covers every file of the plan), else the IR's."""
+        return str(self.meta.get(DIGEST) or self.ir_sha256)
+
     def stage_nodes(self) -> dict[str, list[str]]:
         """IR op names of each stage, from plan.dapple."""
         return {s.name: [op.name for op in s.ops] for s in self.module.stages}
@@ -126,6 +140,148 @@ class Plan:
 
 def ir_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------ digest
+
+DIGEST = "digest"
+"""plan.json's field holding the plan's digest: SHA-256 of plan.json's other fields in canonical JSON."""
+FILES = "files"
+"""plan.json's field mapping plan.dapple and every rank file to its SHA-256."""
+SPEC_SHA256 = "model_spec_sha256"
+"""plan.json's field holding the SHA-256 of the model spec's file (the Python file run to rebuild the model)."""
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def json_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of `meta` without its digest, in canonical JSON (sorted keys, no spaces)."""
+    body = {k: v for k, v in meta.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def spec_file(spec: str) -> Path | None:
+    """The file a model spec names: its Python file, a module's source file, or a profile; None if not found.
+
+    Only a dotted module spec imports anything (its parent packages, to find the module's file)."""
+    if spec.startswith("profile:"):
+        return Path(spec.removeprefix("profile:"))
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py") or "/" in where:
+        return Path(where)
+    # Looked up as `model_spec` imports it: the current directory comes first when it is not on the path.
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found is not None and found.origin else None
+
+
+def spec_sha256(spec: str) -> str | None:
+    """SHA-256 of the file `spec` names, or None when there is no such file."""
+    path = spec_file(spec)
+    return file_sha256(path) if path is not None and path.is_file() else None
+
+
+def seal(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with the hashes of the plan's files (plan.dapple, rank files), of the model spec's file,
+    and the digest over all of it, for the plan files in `directory`."""
+    sealed = {k: v for k, v in meta.items() if k != DIGEST}
+    names = sorted(
+        (p.name for p in directory.iterdir() if p.name == PLAN_IR or _RANK_FILE.fullmatch(p.name)), key=_file_order
+    )
+    sealed[FILES] = {name: file_sha256(directory / name) for name in names}
+    sealed["ir_sha256"] = sealed[FILES].get(PLAN_IR)
+    spec = meta.get("model_spec")
+    sealed[SPEC_SHA256] = spec_sha256(spec) if isinstance(spec, str) and spec else None
+    sealed[DIGEST] = json_digest(sealed)
+    return sealed
+
+
+def _file_order(name: str) -> tuple[int, str]:
+    return (0, name) if name == PLAN_IR else (1, f"{len(name):04d}{name}")
+
+
+def write_plan_json(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Seal `meta` (`seal`) and write it as the plan.json of `directory`; returns what was written.
+    Write the other plan files first: the digest covers them."""
+    sealed = seal(directory, meta)
+    tmp = directory / f".{PLAN_JSON}.tmp"
+    tmp.write_text(json.dumps(sealed, indent=2) + "\n")
+    tmp.replace(directory / PLAN_JSON)
+    return sealed
+
+
+def _check_digest(directory: Path, meta: dict[str, Any]) -> None:
+    """Refuse a plan whose plan.json, plan.dapple or rank files changed since it was written."""
+    json_path = directory / PLAN_JSON
+    recompile = "recompile the plan with `dapple compile` (or undo the edit)"
+    if DIGEST not in meta or FILES not in meta:
+        raise DappleError(
+            f"{json_path} carries no digest, so nothing vouches for the plan: it was replaced or edited (or "
+            f"written by an older dapple-ir); {recompile}"
+        )
+    if meta[DIGEST] != json_digest(meta):
+        raise DappleError(f"{json_path} was edited after compilation (it no longer matches its digest); {recompile}")
+    files = meta[FILES]
+    if not isinstance(files, dict) or PLAN_IR not in files:
+        raise DappleError(f"{json_path} field {FILES} must map {PLAN_IR} and the rank files to their SHA-256")
+    for name, sha256 in files.items():
+        if name != PLAN_IR and not _RANK_FILE.fullmatch(name):
+            raise DappleError(f"{json_path} field {FILES} names {name!r}, which is not a plan file")
+        path = directory / name
+        rank = "" if name == PLAN_IR else f"rank {name.removeprefix('rank_').removesuffix('.py')}: "
+        if not path.is_file():
+            raise DappleError(f"{rank}plan file {path} is missing; {recompile}")
+        if file_sha256(path) != sha256:
+            raise DappleError(
+                f"{rank}{path} was edited after compilation (its SHA-256 differs from the one {PLAN_JSON} records); "
+                f"{recompile}"
+            )
+
+
+def _check_fields(json_path: Path, meta: dict[str, Any]) -> None:
+    """What the runtime obeys in plan.json has the type it needs, so a bad value fails here, not in a worker."""
+
+    def bad(field: str, want: str) -> DappleError:
+        return DappleError(f"{json_path} field {field} must be {want}, not {meta[field]!r}")
+
+    seed = meta.get("seed")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise bad("seed", "a whole number from 0 to 2**63 - 1")
+    lr = meta.get("lr")
+    if lr is not None and (type(lr) not in (int, float) or not math.isfinite(lr) or lr <= 0):
+        raise bad("lr", "a positive finite number (or null: the optimizer's default)")
+    for field in ("model_spec", "optimizer"):
+        if meta.get(field) is not None and not isinstance(meta[field], str):
+            raise bad(field, "a string")
+    for field in ("microbatches", "microbatch_size"):
+        value = meta.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            raise bad(field, "a positive whole number")
+
+
+def check_model_spec(plan: Plan) -> None:
+    """Refuse, before it is run, a model spec file that differs from the one the plan was compiled from."""
+    spec = plan.model_spec
+    current, recorded = spec_sha256(spec), plan.meta.get(SPEC_SHA256)
+    if current == recorded:
+        return
+    path = spec_file(spec)
+    if current is None:
+        raise DappleError(
+            f"the model spec {spec} of plan {plan.dir} names {path or 'a module'}, which cannot be found (relative "
+            f"to {Path.cwd()}); run from the directory the plan was compiled in"
+        )
+    raise DappleError(
+        f"{path}, the model spec file of plan {plan.dir}, changed since the plan was compiled (its SHA-256 differs "
+        f"from the one {plan.dir / PLAN_JSON} records), so it is not run; recompile the plan with "
+        f"`dapple compile {spec} ...`, or restore the file"
+    )
 
 
 def read_module(path: str | Path) -> Module:
@@ -146,8 +302,8 @@ def write_plan_dir(
 ) -> None:
     """Write a plan directory beside `out` in a temporary directory, then rename it into place, so a
     failure leaves no half-written plan and the previous plan stays until the new one is complete.
-    `emit(module, dir)` adds the backend's files (rank programs). `meta` gains the IR's digest
-    (`ir_sha256`). Call `check_output` first: this replaces whatever `out` holds."""
+    `emit(module, dir)` adds the backend's files (rank programs). `meta` gains the hashes of the files
+    and the plan's digest (`seal`). Call `check_output` first: this replaces whatever `out` holds."""
     out = out.resolve()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -155,15 +311,13 @@ def write_plan_dir(
     except OSError as exc:
         raise DappleError(f"cannot write the plan directory {out}: {exc.strerror or exc}") from None
     # mkdtemp makes the directory private (0700); a plan directory gets the usual mode.
-    tmp.chmod(0o777 & ~_umask())
+    tmp.chmod(0o777 & ~current_umask())
     try:
-        text = print_module(module)
-        (tmp / PLAN_IR).write_text(text)
-        meta["ir_sha256"] = ir_digest(text)
-        (tmp / PLAN_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / PLAN_IR).write_text(print_module(module))
         (tmp / REPORT).write_text(report)
         if emit is not None:
             emit(module, tmp)
+        meta.update(write_plan_json(tmp, meta))
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
             out.rename(old)
@@ -175,7 +329,8 @@ def write_plan_dir(
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (set and restored at once: call it where no other thread creates files)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -194,8 +349,12 @@ def load_plan(plan_dir: str | Path) -> Plan:
         meta = json.loads(json_path.read_text())
     except json.JSONDecodeError as exc:
         raise DappleError(f"{json_path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); was it edited?") from exc
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise DappleError(f"{json_path} is not valid JSON ({type(exc).__name__}); was it edited?") from None
     if not isinstance(meta, dict):
         raise DappleError(f"{json_path} must hold a JSON object")
+    _check_digest(path, meta)
+    _check_fields(json_path, meta)
     spec = str(meta.get("model_spec", ""))
     if spec.startswith("profile:"):
         raise DappleError(
@@ -207,6 +366,7 @@ def load_plan(plan_dir: str | Path) -> Plan:
     module = parse_module(text, str(ir_path))
     plan = Plan(path, module, meta, ir_digest(text))
     _cross_check(plan)
+    check_model_spec(plan)
     return plan
 
 

@@ -201,7 +201,12 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
 
 @register_schedule("interleaved")
 def interleaved(request: ScheduleRequest) -> dict[int, list[Work]]:
-    """Megatron-style interleaved 1f1b: each group runs V virtual stages, P microbatches per round."""
+    """Megatron-style interleaved 1f1b: each group runs V virtual stages, P microbatches per round.
+
+    With R replicas in every stage (and M a multiple of P R), a round holds P R microbatches, so that
+    each replica, which runs every R-th of them, sees Megatron's order over its own M / R: rounds of P
+    and a warm-up R times shorter than the group-wide one. Otherwise rounds hold P microbatches.
+    """
     p, v, m = request.groups, request.virtual, request.microbatches
     if m < p:
         raise ScheduleError(
@@ -213,19 +218,27 @@ def interleaved(request: ScheduleRequest) -> dict[int, list[Work]]:
             f"interleaved schedule: {m} microbatches do not split into rounds of {p} (one per pipeline group); "
             f"Megatron's order needs a multiple of {p}, such as {m - m % p or p} or {m - m % p + p}"
         )
-    rounds = [range(i, min(i + p, m)) for i in range(0, m, p)]
+    r = interleaved_round_replicas(request)
+    per = p * r
+    rounds = [range(i, min(i + per, m)) for i in range(0, m, per)]
     orders: dict[int, list[Work]] = {}
     for g in range(p):
-        fwd = [(c * p + g, mb) for r in rounds for c in range(v) for mb in r]
-        bwd = [(c * p + g, mb) for r in rounds for c in reversed(range(v)) for mb in r]
+        fwd = [(c * p + g, mb) for rnd in rounds for c in range(v) for mb in rnd]
+        bwd = [(c * p + g, mb) for rnd in rounds for c in reversed(range(v)) for mb in rnd]
         total = len(fwd)
-        warmup = total if m == p else min((p - g - 1) * 2 + (v - 1) * p, total)
+        warmup = total if m == per else min(((p - g - 1) * 2 + (v - 1) * p) * r, total)
         order = [Work(F, k, mb) for k, mb in fwd[:warmup]]
         for i in range(total - warmup):
             order += [Work(F, *fwd[warmup + i]), Work(B, *bwd[i])]
         order += [Work(B, k, mb) for k, mb in bwd[total - warmup :]]
         orders[g] = order
     return orders
+
+
+def interleaved_round_replicas(request: ScheduleRequest) -> int:
+    """R when every stage has R replicas and M splits into rounds of P R microbatches, else 1."""
+    r = _uniform_replicas(request)
+    return r if request.microbatches % (request.groups * r) == 0 else 1
 
 
 # ----------------------------------------------------------------------------- hand-written order

@@ -8,8 +8,12 @@ Two sources:
   (`dapple_ir.cluster.roofline`). Ops whose times came from elsewhere (an imported profile) keep them.
 - `PATH.json`: times measured by `dapple profile` for each op, at the profile's microbatch.
 
-Times and activation bytes scale linearly with the samples they describe (DAPPLE's planner does the
-same); the pass records the size it annotated for as `cost_batch`. Torch is not needed here.
+Activation bytes scale linearly with the samples they describe; times are affine in them: a fixed
+part per op call (the device kind's `op_overhead`: launch, and the floor of a kernel too small to
+fill the device) and a part that scales (`dapple_ir.cluster.roofline.rescaled_s`). The analytic
+roofline prices the target size directly; times from elsewhere (a profile, a JSON measured at
+another microbatch) are moved to it keeping their fixed part, where the pass knows the cluster
+(else linearly). The pass records the size it annotated for as `cost_batch`. Torch is not needed here.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapple_ir.analysis.memory import optimizer_state_factor
-from dapple_ir.cluster.roofline import roofline_times
-from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.roofline import rescaled_s, roofline_times
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
@@ -64,9 +68,10 @@ class AnnotateCost(Pass):
             raise DappleError("annotate-cost: the module has no batch attribute; give microbatch=N")
         counted = [op for op in module.ops if op.attrs.fwd_flops is not None or op.attrs.mem_bytes is not None]
         chosen = set(counted)
+        known = self.known_kind(ctx, module)
         for op in module.ops:
             if op not in chosen:
-                _rescale(op, old, target)  # costs from elsewhere (an imported profile) keep their times
+                _rescale(op, old, target, known)  # costs from elsewhere (an imported profile) keep their times
         module.attrs.cost_batch = target
         if not counted:
             ctx.log(f"annotate-cost: no FLOP counts to turn into times; costs rescaled to {target} sample(s)")
@@ -95,6 +100,13 @@ class AnnotateCost(Pass):
                 "and use annotate-cost{source=profile.json}"
             )
         return resolve_cluster(name)
+
+    def known_kind(self, ctx: PassContext, module: Module) -> DeviceKind | None:
+        """The device kind whose per-call cost stays fixed when times move to another batch, where
+        the module or the context names a cluster; None rescales linearly."""
+        if not (module.attrs.cluster or ctx.cluster):
+            return None
+        return self.cluster(ctx, module).device(self.device)
 
     def efficiency_overrides(self) -> dict[str, float]:
         text = self.efficiency.strip()
@@ -131,6 +143,7 @@ class AnnotateCost(Pass):
             raise DappleError(f"annotate-cost: {path} is not a profile written by `dapple profile` ({exc})") from None
         target = self.microbatch or measured_batch
         scale = target / measured_batch
+        kind = self.known_kind(ctx, module)
         for op in module.ops:
             entry = entries.get(op.name)
             if entry is None:
@@ -140,22 +153,28 @@ class AnnotateCost(Pass):
                     f"annotate-cost: {path} has no measurement for op %{op.name}; profile this model again "
                     f"(it was profiled from {data.get('model', 'another model')})"
                 )
-            op.attrs.fwd_s = float(entry["fwd_s"]) * scale
-            op.attrs.bwd_s = float(entry["bwd_s"]) * scale
+            op.attrs.fwd_s = _moved(float(entry["fwd_s"]), measured_batch, target, kind)
+            op.attrs.bwd_s = _moved(float(entry["bwd_s"]), measured_batch, target, kind)
             if entry.get("act_bytes") is not None:
                 op.attrs.act_bytes = float(entry["act_bytes"]) * scale
         module.attrs.cost_batch = target
         ctx.log(f"annotate-cost: measured times from {path} ({data.get('device', '?')}) at {target} sample(s)")
 
 
-def _rescale(op: Op, old: int | None, new: int) -> None:
+def _rescale(op: Op, old: int | None, new: int, kind: DeviceKind | None) -> None:
     if not old or old == new:
         return
-    factor = new / old
-    for name in ("fwd_s", "bwd_s", "act_bytes"):
-        value = getattr(op.attrs, name)
-        if value is not None:
-            setattr(op.attrs, name, value * factor)
+    if op.attrs.fwd_s is not None:
+        op.attrs.fwd_s = _moved(op.attrs.fwd_s, old, new, kind)
+    if op.attrs.bwd_s is not None:
+        op.attrs.bwd_s = _moved(op.attrs.bwd_s, old, new, kind)
+    if op.attrs.act_bytes is not None:
+        op.attrs.act_bytes = op.attrs.act_bytes * new / old
+
+
+def _moved(seconds: float, old: int, new: int, kind: DeviceKind | None) -> float:
+    """An op call's time at `new` samples from `old`: its fixed part kept where the device is known."""
+    return seconds * new / old if kind is None else rescaled_s(seconds, old, new, kind)
 
 
 def _dtype(op: Op) -> str:

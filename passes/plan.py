@@ -3,6 +3,12 @@
 The planner (`dapple_ir.planner`) proposes and checks candidates with its cost model; this pass gives
 it the score that ranks the best few: `lower_and_simulate` lowers a candidate on a copy of the module
 (`schedule`, `lower-comm`, `insert-frees`, found by name in the registry) and simulates it.
+
+An op's time is affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`: a fixed part per call
+that a smaller microbatch does not shrink), while the simulator scales the costs it reads linearly
+from the module's `cost_batch`. So the simulated candidate, and the plan this pass writes, carry
+every op's time at the candidate's microbatch size (`cost_batch` = the microbatch size): the
+simulator then prices the fixed parts the planner weighed against the bubble.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from dapple_ir import schedules
+from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import DappleError, PlanError
-from dapple_ir.ir import Module
+from dapple_ir.ir import Module, Op
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module
 from dapple_ir.planner.search import Request, search, write_stages
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
@@ -32,6 +39,7 @@ class Plan(Pass):
     microbatches: int | None = option(None, "microbatches per step, or auto")
     schedule: str | None = option(None, f"auto or one of {', '.join(schedules.SCHEDULES)}")
     policy: str | None = option(None, f"device placement: auto or one of {', '.join(POLICIES)}")
+    virtual: int | None = option(None, "virtual stages per device group (interleaved), or auto")
     global_batch: int = option(0, "samples per step; 0 takes the module's global_batch")
     simulate: bool = option(True, "rank the best candidates with the simulator")
     ilp_time_limit: float = option(10.0, "seconds the CP-SAT solver may take in all")
@@ -52,6 +60,7 @@ class Plan(Pass):
 
         outcome = search(problem, request, score if self.simulate else None)
         write_stages(module, problem, outcome.chosen.cand)
+        write_costs_at_microbatch(module, problem, outcome.chosen.cand)
         module.attrs.cluster = cluster_text
         module.attrs.predicted_iteration_s = outcome.chosen.time_s
         ctx.reports["plan"] = outcome.explain
@@ -66,6 +75,7 @@ class Plan(Pass):
             schedule=self.schedule,
             policy=self.policy,
             ilp_time_limit_s=self.ilp_time_limit,
+            virtual=self.virtual,
         )
 
 
@@ -75,9 +85,22 @@ def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tup
     # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
     trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
     write_stages(trial, problem, cand)
+    trial.attrs.cost_batch = problem.microbatch_size(cand.microbatches)
+    # The ops are shared with `module`: their costs at this microbatch size hold for this simulation only.
+    saved = [(op, (op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes)) for op in module.ops]
+    for op, costs in _costs_at(module, problem, cand):
+        op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes = costs
+    try:
+        return _lower_and_simulate(trial, problem, cand)
+    finally:
+        for op, costs in saved:
+            op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes = costs
+
+
+def _lower_and_simulate(trial: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
     ctx = PassContext()
     lowering = [
-        lookup_pass("schedule").from_options({"kind": cand.schedule}),
+        lookup_pass("schedule").from_options({"kind": cand.schedule, "virtual": str(cand.virtual)}),
         lookup_pass("lower-comm").from_options({}),
         lookup_pass("insert-frees").from_options({}),
     ]
@@ -88,3 +111,37 @@ def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tup
             raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
     result = simulate(trial, cluster=problem.cluster)
     return result.iteration_s, max(result.peak_bytes, default=0.0)
+
+
+Costs = tuple[float | None, float | None, float | None]
+
+
+def _costs_at(module: Module, problem: Problem, cand: Candidate) -> list[tuple[Op, Costs]]:
+    """Each op's (forward s, backward s, activation bytes) at `cand`'s microbatch size, from the
+    module's costs at its `cost_batch`: times keep their fixed part (`rescaled_s`, the planning
+    cluster's device kind, as `problem_from_module` counts it), activation bytes scale."""
+    old = module.attrs.cost_batch or module.attrs.batch
+    new = problem.microbatch_size(cand.microbatches)
+    if not old or old == new:
+        return []
+    kind = problem.cluster.device(0)
+
+    def time(seconds: float | None) -> float | None:
+        return None if seconds is None else rescaled_s(seconds, old, new, kind)
+
+    def size(nbytes: float | None) -> float | None:
+        return None if nbytes is None else nbytes * new / old
+
+    return [(op, (time(op.attrs.fwd_s), time(op.attrs.bwd_s), size(op.attrs.act_bytes))) for op in module.ops]
+
+
+def write_costs_at_microbatch(module: Module, problem: Problem, cand: Candidate) -> None:
+    """Every op's costs, and the coarsened layers' sums of them, at `cand`'s microbatch size, which
+    becomes the module's `cost_batch`: what the plan, and a simulation of it, price."""
+    for op, costs in _costs_at(module, problem, cand):
+        op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes = costs
+    for layer in module.layers:
+        layer.attrs.fwd_s = sum(op.attrs.fwd_s or 0.0 for op in layer.ops)
+        layer.attrs.bwd_s = sum(op.attrs.bwd_s or 0.0 for op in layer.ops)
+        layer.attrs.act_bytes = sum(op.attrs.act_bytes or 0.0 for op in layer.ops)
+    module.attrs.cost_batch = problem.microbatch_size(cand.microbatches)

@@ -3,6 +3,8 @@
 Ranks are the devices the stages use, numbered by ascending device id. With `virtual=V` (interleaved),
 stage k sits on the devices of stage k % P, P = stages / V; stages left without devices get them from
 that rule, and a module whose stages name no devices at all gets devices 0, 1, ... in pipeline order.
+Left at 0, an interleaved schedule reads V off the stages (the plan of an interleaved candidate puts
+stage P on stage 0's devices), so `plan,schedule` lowers what the planner chose.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Schedule(Pass):
 
     kind: str = option("", f"schedule name: {', '.join(schedules.SCHEDULES)}; empty: the plan's choice, else 1f1b")
     microbatches: int = option(0, "microbatches per step; 0 keeps the module's")
-    virtual: int = option(1, "virtual stages per device group (interleaved)")
+    virtual: int = option(0, "virtual stages per device group (interleaved); 0: read off the stages' devices")
     from_: str = option("", "CSV file with the per-rank order (rank,kind,stage,mb)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
@@ -43,7 +45,7 @@ class Schedule(Pass):
             )
         # Left unset, the kind is what `plan` chose for this module, so one pipeline string plans and lowers.
         kind = self.kind or (module.attrs.schedule if module.attrs.schedule in schedules.SCHEDULES else "1f1b")
-        virtual = self.virtual
+        virtual = self.virtual or (_virtual_of(module.stages) if kind == "interleaved" else 1)
         _check_virtual(module.stages, virtual, m if kind == "interleaved" and not self.from_ else None)
         _set_batch_attrs(module, m)
         groups = len(module.stages) // virtual
@@ -69,6 +71,16 @@ class Schedule(Pass):
         # a hand-written or user-registered order is checked here, where the error can say whose it is.
         if self.from_ or not schedules.is_builtin(kind):
             _refuse_deadlock(module, self.spec())
+
+
+def _virtual_of(stages: list[Stage]) -> int:
+    """Virtual stages per device group as a plan wrote them: stage k on the devices of stage k % P,
+    where P is the first stage that repeats stage 0's devices (1 when none does, or none are set)."""
+    first = stages[0].attrs.devices
+    repeat = next((k for k, s in enumerate(stages[1:], start=1) if first and s.attrs.devices == first), None)
+    if repeat is None or len(stages) % repeat:
+        return 1
+    return len(stages) // repeat
 
 
 def _check_virtual(stages: list[Stage], virtual: int, m: int | None) -> None:

@@ -9,6 +9,7 @@ bytes / bandwidth (recounted from the rank programs) and any device's compute.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from pathlib import Path
@@ -36,6 +37,7 @@ from dapple_ir.ir import (
     TensorType,
 )
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.passes.plan import write_costs_at_microbatch
 from dapple_ir.planner.cost_model import Candidate, StageChoice, problem_from_module
 from dapple_ir.planner.search import write_stages
 from dapple_ir.sim.simulator import SimulationResult, simulate
@@ -245,8 +247,10 @@ def card_bytes(module: Module, spec: ClusterSpec) -> Counter:  # type: ignore[ty
 def lowered(module: Module, spec: ClusterSpec, cand: Candidate, global_batch: int) -> Module:
     """`cand` written into a copy of `module` and lowered by the real passes, as the plan pass scores it."""
     problem = problem_from_module(module, spec, global_batch)
-    trial = dataclasses.replace(module, stages=[], programs=[], attrs=dataclasses.replace(module.attrs))
+    # A copy of the ops too: the plan pass scores a candidate with every op's cost at its microbatch size.
+    trial = dataclasses.replace(copy.deepcopy(module), stages=[], programs=[])
     write_stages(trial, problem, cand)
+    write_costs_at_microbatch(trial, problem, cand)
     PassManager(build_pipeline(f"schedule{{kind={cand.schedule}}},lower-comm,insert-frees")).run(trial)
     return trial
 

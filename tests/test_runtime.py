@@ -22,6 +22,7 @@ from dapple_ir.ir import Stage, StageAttrs
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.structure import structure_hash
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.plan_dir import write_plan_json
 from dapple_ir.sim.trace import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,8 +80,8 @@ def make_plan(
         "lr": lr,
         "ranks": len(module.programs),
     }
-    (out / "plan.json").write_text(json.dumps(meta, indent=1))
     emit_rank_programs(module, out)
+    write_plan_json(out, meta)  # last: its digest covers the other files
     return out
 
 
@@ -152,7 +153,12 @@ def test_resume_continues_with_the_same_losses(tmp_path: Path) -> None:
     options = {"transport": "threads", "optimizer": "adam", "lr": 1e-2, "timeout": 30.0}
     whole = run(plan, steps=4, **options)  # type: ignore[arg-type]
     run(plan, steps=2, save=tmp_path / "ckpt", **options)  # type: ignore[arg-type]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank_0.pt", "rank_1.pt", "rank_2.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["manifest.json", "step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000002").glob("*.pt")) == [
+        "rank_0.pt",
+        "rank_1.pt",
+        "rank_2.pt",
+    ]
     resumed = run(plan, steps=2, resume=tmp_path / "ckpt", check=True, **options)  # type: ignore[arg-type]
     assert resumed.first_step == 2
     assert resumed.losses == whole.losses[2:]

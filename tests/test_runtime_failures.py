@@ -13,7 +13,14 @@ import torch
 from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport, TransportError
 from dapple_ir.errors import DappleError, RuntimeFailure
+from dapple_ir.plan_dir import write_plan_json
 from tests.test_runtime import MLP, make_plan
+
+
+def reseal(plan: Path) -> None:
+    """Seal the plan's files as they are now (what a careful tamperer would do)."""
+    write_plan_json(plan, json.loads((plan / "plan.json").read_text()))
+
 
 #: A model whose third layer calls `explode`, which fx records as one op: on real tensors it raises
 #: (or kills its process) when DAPPLE_TEST_EXPLODE says so. Its data comes from `dapple_data`, which
@@ -121,11 +128,34 @@ def test_the_first_rank_failing_on_its_own_is_reported() -> None:
     echo = {"rank": 0, "time": 1.0, "secondary": True, "message": "rank 0: timed out"}
     cause = {"rank": 2, "time": 2.0, "secondary": False, "message": "rank 2: boom"}
     later = {"rank": 3, "time": 3.0, "secondary": False, "message": "rank 3: bang"}
-    first = _first_failure({0: echo, 2: cause, 3: later}, set())
-    assert first == "rank 2: boom (2 other rank(s) stopped because of it)"
-    assert _first_failure({0: echo}, {1}, (1, -9)).startswith("rank 1 was killed by signal 9")
-    assert _first_failure({0: echo}, {1}, (0, 1)) == "rank 0: timed out"
+    reset = {"rank": 1, "time": 1.5, "secondary": True, "message": "rank 1: recv failed: Connection reset by peer"}
+    first = _first_failure({0: echo, 1: reset, 2: cause, 3: later}, {4})
+    assert first == (
+        "rank 2: boom. Echoes, not causes: rank 0: timed out waiting after rank 2 failed; rank 1: lost its peer "
+        "after rank 2 failed; rank 3: failed too, later: bang; rank(s) 4: stopped without a report"
+    )
+    killed = _first_failure({0: echo}, {1}, (1, -9))
+    assert killed.startswith("rank 1 was killed by signal 9")
+    assert killed.endswith("Echoes, not causes: rank 0: timed out waiting after rank 1 failed")
+    frozen = _first_failure({0: echo}, {1}, (1, -9), {1: "rank 1 (pid 7) was stopped (SIGSTOP or a debugger)"})
+    assert frozen.startswith("rank 1 (pid 7) was stopped")  # the watchdog saw it stopped: that beats torchrun's guess
+    assert _first_failure({0: echo}, {1}, (0, 1)).startswith("rank 0: timed out. Echoes, not causes: rank(s) 1")
     assert _first_failure({}, {1, 2}).startswith("rank(s) 1, 2 exited without reporting")
+
+
+def test_an_error_is_an_echo_when_a_peer_went_away() -> None:
+    from dapple_ir.backends.torch.worker import error_report, mark_failure
+
+    assert error_report(1, TransportError("timed out after 1 s"))["secondary"]
+    assert error_report(1, RuntimeError("[pair.cc:553] Connection reset by peer [127.0.0.1]:1234"))["secondary"]
+    own = ValueError("boom\nmore detail")
+    mark_failure(own)
+    failed_at = error_report(1, own)["time"]
+    time.sleep(0.01)
+    report = error_report(1, own)
+    assert not report["secondary"]
+    assert report["message"] == "rank 1: ValueError: boom"
+    assert report["time"] == failed_at  # when it was raised, not when the report was written
 
 
 def test_nan_loss_is_a_clear_error_naming_the_rank(
@@ -154,6 +184,7 @@ def test_edited_ir_is_refused(tmp_path: Path) -> None:
         .replace("forward @s1 mb = 3", "forward @s1 mb = 2", 1)
         .replace("backward @s1 mb = 3", "backward @s1 mb = 2", 1)
     )
+    reseal(plan)  # past the digest, so that the rank-file check is what refuses it
     with pytest.raises(DappleError, match=r"rank 0: .*rank_0\.py differs from what plan\.dapple generates"):
         run(plan, steps=1, transport="threads", timeout=10)
 
@@ -162,6 +193,7 @@ def test_edited_rank_file_is_refused(tmp_path: Path) -> None:
     plan = make_plan(tmp_path / "plan", MLP, stages=2)
     source = plan / "rank_0.py"
     source.write_text(source.read_text() + "\nimport os  # sneaky\n")
+    reseal(plan)  # past the digest, so that the rank-file check is what refuses it
     with pytest.raises(DappleError, match=r"rank 0: .*rank_0\.py differs"):
         run(plan, steps=1, transport="threads", timeout=10)
 
@@ -170,7 +202,7 @@ def test_edited_stage_list_in_json_is_refused(tmp_path: Path) -> None:
     plan = make_plan(tmp_path / "plan", MLP, stages=2)
     meta = json.loads((plan / "plan.json").read_text())
     meta["stages"][0]["nodes"].pop()
-    (plan / "plan.json").write_text(json.dumps(meta))
+    write_plan_json(plan, meta)  # past the digest, so that the cross-check is what refuses it
     with pytest.raises(DappleError, match=r"stages\[0\]\.nodes disagrees with stage @s0"):
         run(plan, steps=1, transport="threads")
 
@@ -179,7 +211,7 @@ def test_changed_model_is_refused(tmp_path: Path) -> None:
     plan = make_plan(tmp_path / "plan", MLP, stages=2)
     meta = json.loads((plan / "plan.json").read_text())
     meta["model_hash"] = "0" * 64
-    (plan / "plan.json").write_text(json.dumps(meta))
+    write_plan_json(plan, meta)  # past the digest, so that the model check is what refuses it
     with pytest.raises(DappleError, match=r"no longer matches the plan"):
         run(plan, steps=1, transport="threads")
 
@@ -198,7 +230,7 @@ def test_resume_from_another_plan_is_refused(tmp_path: Path) -> None:
     first = make_plan(tmp_path / "a", MLP, stages=2, kind="gpipe")
     second = make_plan(tmp_path / "b", MLP, stages=2, kind="1f1b")
     run(first, steps=1, transport="threads", save=tmp_path / "ckpt", timeout=10)
-    with pytest.raises(RuntimeFailure, match=r"saved by a different plan"):
+    with pytest.raises(DappleError, match=r"saved by a different plan"):
         run(second, steps=1, transport="threads", resume=tmp_path / "ckpt", timeout=10)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,26 +37,13 @@ def _payloads(step: int) -> list[object]:
     ]
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _gloo_rank(body: Callable[[int, DistTransport, list[str]], None], rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks on 127.0.0.1: `body` fills the lines that rank_<r>.txt gets (or the traceback)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT))
     lines: list[str] = []
     try:
-        transport = DistTransport([], torch.device("cpu"))
-        for step in range(3):
-            for tag, payload in enumerate(_payloads(step)):
-                if rank == 0:
-                    transport.isend(payload, 1, tag).wait(TIMEOUT)
-                else:
-                    got = transport.recv(0, tag, TIMEOUT)
-                    same = torch.equal(got, payload) if isinstance(payload, torch.Tensor) else got == payload
-                    lines.append(f"{step} {tag} {same} {type(got).__name__}")
-        if rank == 0:
-            try:
-                transport.isend(torch.zeros(4, 4), 1, 0)
-            except DappleError as exc:
-                lines.append(f"refused: {exc}")
-        lines.append(f"headers remembered: {len(transport.sent) + len(transport.received)}")
+        body(rank, DistTransport([], torch.device("cpu")), lines)
     except Exception:
         lines.append(traceback.format_exc())
     finally:
@@ -63,10 +51,11 @@ def _rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_header_goes_once_per_tag_and_shapes_are_held(tmp_path: Path) -> None:
+def run_two_ranks(body: Callable[[int, DistTransport, list[str]], None], out: Path) -> list[list[str]]:
+    """Run `body` (a module-level function: spawn pickles it) on two gloo ranks; each rank's lines."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_gloo_rank, args=(body, r, port, str(out))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -75,8 +64,28 @@ def test_header_goes_once_per_tag_and_shapes_are_held(tmp_path: Path) -> None:
     for p in alive:
         p.kill()
     assert not alive, "a rank did not finish within 120 s"
-    sender = (tmp_path / "rank_0.txt").read_text().splitlines()
-    receiver = (tmp_path / "rank_1.txt").read_text().splitlines()
+    return [(out / f"rank_{r}.txt").read_text().splitlines() for r in range(2)]
+
+
+def _headers(rank: int, transport: DistTransport, lines: list[str]) -> None:
+    for step in range(3):
+        for tag, payload in enumerate(_payloads(step)):
+            if rank == 0:
+                transport.isend(payload, 1, tag).wait(TIMEOUT)
+            else:
+                got = transport.recv(0, tag, TIMEOUT)
+                same = torch.equal(got, payload) if isinstance(payload, torch.Tensor) else got == payload
+                lines.append(f"{step} {tag} {same} {type(got).__name__}")
+    if rank == 0:
+        try:
+            transport.isend(torch.zeros(4, 4), 1, 0)
+        except DappleError as exc:
+            lines.append(f"refused: {exc}")
+    lines.append(f"headers remembered: {len(transport.sent) + len(transport.received)}")
+
+
+def test_header_goes_once_per_tag_and_shapes_are_held(tmp_path: Path) -> None:
+    sender, receiver = run_two_ranks(_headers, tmp_path)
     # Every payload arrived intact at every step: the header-less steps put the bytes in the right shape.
     expected = [f"{s} {t} True {'tuple' if t == 2 else 'Tensor'}" for s in range(3) for t in range(4)]
     assert receiver[:-1] == expected, receiver

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
 from dapple_ir.cli import main
+from dapple_ir.plan_dir import write_plan_json
 from tests.paths import PROFILES, ROOT
 
 BERT = PROFILES / "dapple-bert-48-pbs-2.txt"
@@ -169,3 +172,105 @@ def test_port_in_use(capsys: pytest.CaptureFixture[str], cpu_plan: Path) -> None
         port = busy.getsockname()[1]
         message = _error(capsys, "run", str(cpu_plan), "--steps", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
     assert f"port {port} of the rendezvous endpoint 127.0.0.1:{port} is already in use" in message
+
+
+EXITING = """
+import sys
+import torch
+from torch import nn
+
+def factory():
+    sys.exit(3)
+"""
+
+
+def test_a_factory_that_exits_is_an_error_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = tmp_path / "quits.py"
+    model.write_text(EXITING)
+    out = tmp_path / "p"
+    message = _error(
+        capsys, "compile", f"{model}:factory", "--cluster", "1x2xcpu", "--global-batch", "8", "-o", str(out)
+    )
+    assert f"model spec {model}:factory: the factory called sys.exit(3)" in message
+    assert not out.exists()
+
+
+def test_a_model_file_that_exits_on_import(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = tmp_path / "quits_early.py"
+    model.write_text("import sys\nsys.exit('bye')\n")
+    message = _error(capsys, "dump", f"{model}:factory")
+    assert f"importing {model} called sys.exit('bye')" in message
+
+
+@pytest.mark.parametrize(
+    ("cluster", "needle"),
+    [
+        ("99999999999999999999xcpu", "99,999,999,999,999,999,999 device(s) is more than the 65,536 devices"),
+        ("99999999999999999999x2xcpu", "99,999,999,999,999,999,999 node(s) x 2 device(s) is more than the 65,536"),
+        ("300x300xcpu", "300 node(s) x 300 device(s) is more than the 65,536 devices"),
+    ],
+)
+def test_a_cluster_beyond_the_bound(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, cluster: str, needle: str
+) -> None:
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", cluster, "--global-batch", "8", "-o", str(tmp_path / "p")
+    )
+    assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        (
+            'device = "cpu"\ndevices_per_node = 2\nnodes = 99999999999999999\n',
+            "field 'nodes' is 99,999,999,999,999,999, more than the 65,536",
+        ),
+        ('device = "cpu"\ndevices_per_node = 70000\n', "1 node(s) x 70,000 device(s) is more than the 65,536"),
+        ('device = "cpu"\ndevices_per_node = 1e300\n', "devices_per_node"),
+    ],
+)
+def test_a_cluster_file_beyond_the_bound(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, toml: str, needle: str
+) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text(toml)
+    message = _error(
+        capsys, "compile", f"profile:{BERT}", "--cluster", str(path), "--global-batch", "8", "-o", str(tmp_path / "p")
+    )
+    assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--lr", "nan"], "the learning rate must be a positive finite number, not nan"),
+        (["--lr", "-1"], "the learning rate must be a positive finite number, not -1.0"),
+        (["--save", "ckpt", "--save-every", "0"], "--save-every must be at least 1 step, not 0"),
+        (["--save-every", "2"], "--save-every needs --save DIR"),
+    ],
+)
+def test_bad_run_options(capsys: pytest.CaptureFixture[str], cpu_plan: Path, flags: list[str], needle: str) -> None:
+    message = _error(capsys, "run", str(cpu_plan), "--steps", "1", "--transport", "threads", *flags)
+    assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("lr", "fast", "field lr must be a positive finite number (or null: the optimizer's default), not 'fast'"),
+        ("seed", "abc", "field seed must be a whole number from 0 to 2**63 - 1, not 'abc'"),
+    ],
+)
+def test_bad_values_in_plan_json(
+    capsys: pytest.CaptureFixture[str], cpu_plan: Path, tmp_path: Path, field: str, value: str, needle: str
+) -> None:
+    plan = tmp_path / "plan"
+    shutil.copytree(cpu_plan, plan)
+    meta = json.loads((plan / "plan.json").read_text())
+    (plan / "plan.json").write_text(json.dumps(meta | {field: value}))
+    message = _error(capsys, "run", str(plan), "--steps", "1", "--transport", "threads")
+    assert "plan.json was edited after compilation" in message  # as edited by hand
+    write_plan_json(plan, meta | {field: value})  # and as a tool that reseals it would leave it
+    message = _error(capsys, "run", str(plan), "--steps", "1", "--transport", "threads")
+    assert needle in message

@@ -2,7 +2,9 @@
 
 Each file opens with a table of the values the rank sends and receives, then defines
 `train_step(rt)`: straight-line calls into `Runtime` in the exact order of the rank's program, one
-call per instruction, under comments that name the pipeline phase each stretch belongs to. The file
+call per instruction, under comments that name the pipeline phase each stretch belongs to; a receive the
+memory model lets go early (`peak_memory.recv_posts`) also gets an `rt.post_recv` call right before the
+instruction it is posted at, and its `rt.recv` then waits for what is already in flight. The file
 records the SHA-256 of the `plan.dapple` it came from. The launcher runs a rank file only when it is
 exactly what this module writes for the current plan.dapple, so an edited or stale rank file is
 refused instead of trusted.
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapple_ir.analysis.peak_memory import transfer_bytes
+from dapple_ir.analysis.peak_memory import recv_posts, transfer_bytes
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, RankProgram
 from dapple_ir.ir.printer import Namer, format_type, print_module
@@ -61,10 +63,15 @@ def rank_source(module: Module, program: RankProgram, rank: int, namer: Namer, d
         digest=digest,
         exchanges="\n".join(_exchange_table(module, program, namer)),
     )
-    return text + ("\n".join(_body(program.instrs, namer)) or "    pass") + "\n"
+    posts: dict[int, list[Instr]] = {}
+    for recv, post in sorted(recv_posts(module, program).items()):
+        posts.setdefault(post, []).append(program.instrs[recv])
+    return text + ("\n".join(_body(program.instrs, namer, posts)) or "    pass") + "\n"
 
 
-def _body(instrs: list[Instr], namer: Namer) -> Iterator[str]:
+def _body(instrs: list[Instr], namer: Namer, posts: dict[int, list[Instr]]) -> Iterator[str]:
+    """The calls, phase by phase; the receives posted early (`posts`: by the index they go before) as
+    `rt.post_recv` calls right before that instruction."""
     starts = _phase_starts(instrs)
     for phase, (start, end) in enumerate(zip(starts, [*starts[1:], len(instrs)], strict=True)):
         if start == end:
@@ -72,7 +79,9 @@ def _body(instrs: list[Instr], namer: Namer) -> Iterator[str]:
         if start > 0:
             yield ""
         yield f"    # --- {_PHASES[phase]} ---"
-        yield from (f"    {_call(instr, namer)}" for instr in instrs[start:end])
+        for index in range(start, end):
+            yield from (f"    {_call(recv, namer, 'post_recv')}" for recv in posts.get(index, ()))
+            yield f"    {_call(instrs[index], namer)}"
 
 
 def _phase_starts(instrs: list[Instr]) -> list[int]:
@@ -147,7 +156,8 @@ def _aligned(table: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
-def _call(instr: Instr, namer: Namer) -> str:
+def _call(instr: Instr, namer: Namer, method: str = "") -> str:
+    """The runtime call of one instruction (`method` overrides the name: `post_recv` for a recv's early post)."""
     kind = instr.kind
     stage = json.dumps(instr.stage.name) if instr.stage is not None else None
     value = json.dumps(namer(instr.value)[1:]) if instr.value is not None else None
@@ -157,7 +167,7 @@ def _call(instr: Instr, namer: Namer) -> str:
     if kind in COMPUTE_KINDS:
         return f"rt.{kind.value}({stage}, mb={instr.mb})"
     if kind in (InstrKind.SEND, InstrKind.RECV):
-        return f"rt.{kind.value}({value}, mb={instr.mb}, peer={instr.peer}{grad})"
+        return f"rt.{method or kind.value}({value}, mb={instr.mb}, peer={instr.peer}{grad})"
     if kind is InstrKind.FREE and instr.stage is not None:
         return f"rt.free_stage({stage}, mb={instr.mb})"
     if kind is InstrKind.FREE:

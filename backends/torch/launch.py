@@ -15,32 +15,46 @@ message, not the echoes of the others.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import json
+import math
 import os
 import re
+import runpy
+import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from dapple_ir import plan_dir
 from dapple_ir.backends.torch.random_draws import Site
+from dapple_ir.backends.torch.runtime import Runtime
 from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, NORMALISING, RTOL
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
 from dapple_ir.backends.torch.worker import (
+    PARENT_PID_ENV,
     RunOptions,
     build_runtime,
+    check_checkpoints,
     check_rank_file,
+    die_with_parent,
     error_report,
     final_params,
+    heartbeat_file,
+    heartbeat_interval,
     prepare_model,
     resolve_optimizer,
     train_rank,
@@ -99,6 +113,26 @@ class RunResult:
     check: CheckResult | None = None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _stoppable(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`fn` with SIGINT and SIGTERM raising `Interrupted` (after `_run_torchrun` stopped its processes)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with _signals_raise():
+            try:
+                return fn(*args, **kwargs)
+            except _Signalled as sig:  # before torchrun started, or under threads (they end with this process)
+                name = signal.Signals(sig.signum).name
+                raise Interrupted(sig.signum, f"stopped by {name}; no rank process had started") from None
+
+    return wrapper
+
+
+@_stoppable
 def run(
     plan_dir: str | Path,
     *,
@@ -115,8 +149,15 @@ def run(
     timeout: float = 120.0,
     device: str = "auto",
     run_dir: str | Path | None = None,
+    listen_host: str | None = None,
+    save_every: int | None = None,
 ) -> RunResult:
-    """Train the plan in `plan_dir` for `steps` optimizer steps; see the module docstring."""
+    """Train the plan in `plan_dir` for `steps` optimizer steps; see the module docstring.
+
+    `listen_host` is the address the rendezvous store and the ranks' sockets bind: loopback by default,
+    with `rdzv_endpoint` the address this machine reaches the endpoint from. SIGINT or SIGTERM stops
+    every process of the run and raises `Interrupted`.
+    """
     if steps < 1:
         raise DappleError(f"steps must be at least 1, not {steps}")
     plan = load_plan(plan_dir)
@@ -133,6 +174,7 @@ def run(
         resume=str(resume) if resume is not None else None,
         device=_pick_device(device, transport, plan.ranks // max(nnodes, 1)),
         check=check,
+        save_every=save_every,
     )
     if transport not in ("threads", "torchrun"):
         raise DappleError(f"unknown transport '{transport}'; choose torchrun or threads")
@@ -142,8 +184,10 @@ def run(
         raise DappleError("--check compares every rank's parameters, so it needs all ranks on one node (nnodes = 1)")
     for rank in range(plan.ranks):
         check_rank_file(plan, rank)  # refuse a stale or edited rank file before starting any process
+    check_checkpoints(plan, options)  # an unwritable --save or a bad --resume, before anything trains
     if transport == "torchrun":
-        _check_torchrun_can_start(rdzv_endpoint, node_rank)
+        _check_torchrun_can_start()
+        endpoint = resolve_endpoint(rdzv_endpoint, listen_host)
     # Threads share this process's cores: one intra-op pool per rank would oversubscribe them, and
     # spinning pools on a busy machine run many times slower than a single thread each. The reference
     # runs with the ranks' thread count too: CPU kernels then split their sums alike and round alike.
@@ -152,7 +196,7 @@ def run(
         if transport == "threads":
             reports, states = _run_threads(plan, options)
         else:
-            reports, states = _run_torchrun(plan, options, nnodes, node_rank, rdzv_endpoint)
+            reports, states = _run_torchrun(plan, options, nnodes, node_rank, endpoint)
         result = _aggregate(plan, reports, states)
         if check:
             result.check = _check(plan, result, opt, rate)
@@ -192,7 +236,14 @@ def _pick_device(device: str, transport: str, per_node: int) -> str:
 def _clean(run_dir: Path) -> None:
     """Remove an earlier run's reports (only the files ranks write), so none is mistaken for this run's."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("rank_*.json", "rank_*_params.pt", "error_rank_*.json", "*.tmp", "torchrun.log"):
+    for pattern in (
+        "rank_*.json",
+        "rank_*_params.pt",
+        "error_rank_*.json",
+        "heartbeat_rank_*.json",
+        "*.tmp",
+        "torchrun.log",
+    ):
         for stale in run_dir.glob(pattern):
             stale.unlink()
 
@@ -220,18 +271,91 @@ def _run_threads(plan: Plan, options: RunOptions) -> tuple[dict[int, dict[str, A
     ]
     for t in threads:
         t.start()
-    for t in threads:
-        # Every wait inside is bounded by the timeout; this join only guards against a stuck compute.
-        t.join(options.timeout * (options.steps + 2) + 60)
-    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    # Every wait inside is bounded by the timeout; this join only guards against a stuck compute.
+    try:
+        stuck = _join_while_progressing(threads, runtimes, options.timeout + WATCHDOG_SLACK_S)
+    except _Signalled:
+        for rank in range(plan.ranks):  # their next wait fails, so no rank trains on behind the caller's back
+            hub.fail(rank, f"rank {rank}: the run was stopped by a signal")
+        raise
     if stuck and not errors:
-        raise RuntimeFailure(f"rank(s) {stuck} did not finish; a compute call is stuck")
+        raise RuntimeFailure(
+            f"rank(s) {stuck} made no progress for {options.timeout + WATCHDOG_SLACK_S:g} s; a compute call is stuck"
+        )
     if errors:
         raise RuntimeFailure(_first_failure(errors, set(range(plan.ranks)) - set(reports) - set(errors)))
     return reports, {r: final_params(rt) for r, rt in enumerate(runtimes)}
 
 
+def _join_while_progressing(threads: list[threading.Thread], runtimes: list[Runtime], bound: float) -> list[int]:
+    """Join the rank threads, giving up once no rank has completed an instruction for `bound` seconds."""
+    last: list[int] = []
+    moved = time.monotonic()
+    while alive := [t for t in threads if t.is_alive()]:
+        progress = [rt.step + len(rt.spans) for rt in runtimes]
+        if progress != last:
+            last, moved = progress, time.monotonic()
+        elif time.monotonic() - moved > bound:
+            break
+        alive[0].join(_POLL_S)
+    return [r for r, t in enumerate(threads) if t.is_alive()]
+
+
 # ------------------------------------------------------------------------------------ torchrun
+
+#: Seconds the watchdog allows beyond `timeout` without progress, so that a rank's own bounded wait,
+#: which names what it waited for, reports first.
+WATCHDOG_SLACK_S = 5.0
+#: Seconds a rank may spend preparing (capturing the model, joining the process group) beyond `timeout`.
+PREPARE_S = 300.0
+#: Seconds torchrun and its workers may take to start (interpreter, torch import) before the first heartbeat.
+START_S = 60.0
+#: Seconds torchrun and the workers get to end once told to stop (or once a rank failed), before SIGKILL.
+STOP_GRACE_S = 5.0
+#: Seconds between two looks of the launcher at torchrun and the heartbeats.
+_POLL_S = 0.1
+
+
+class Interrupted(RuntimeFailure):
+    """The run was stopped by SIGINT or SIGTERM; `status` is the exit status to end with (128 + signal)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.status = 128 + signum
+
+
+class _Signalled(BaseException):
+    """Raised in the main thread by SIGINT or SIGTERM while `run` lasts (see `_signals_raise`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into `_Signalled` while the run lasts, so that it can stop what it started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; a run in another thread leaves them alone
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Signalled(signum)
+
+    before = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def _hold_signals() -> None:
+    """Ignore SIGINT and SIGTERM until `_signals_raise` restores the handlers."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def free_port() -> int:
@@ -240,86 +364,432 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _check_torchrun_can_start(rdzv_endpoint: str | None, node_rank: int) -> None:
-    """Refuse, before any process starts, a launch that could only fail or hang."""
+def _check_torchrun_can_start() -> None:
     if not torch.distributed.is_available():
         raise DappleError(
             f"this torch build ({torch.__version__}) has no torch.distributed, so torchrun cannot start "
             "the ranks; install a torch build with distributed support, or run all ranks in one process "
             "with --transport threads"
         )
-    if not rdzv_endpoint or node_rank != 0:
-        return
+
+
+@dataclass
+class Endpoint:
+    """Where the rendezvous store listens (`host`:`port`) and which address this node's listeners bind."""
+
+    host: str
+    port: int
+    listen_host: str
+    given: bool
+    """Whether the user gave the endpoint (`--rdzv-endpoint`): c10d rendezvous, else static on loopback."""
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def resolve_endpoint(rdzv_endpoint: str | None, listen_host: str | None) -> Endpoint:
+    """The rendezvous endpoint and listen address of a run (loopback unless told otherwise)."""
+    if not rdzv_endpoint:
+        return Endpoint("127.0.0.1", 0, listen_host or "127.0.0.1", False)
     host, _, port = rdzv_endpoint.rpartition(":")
-    if host not in ("127.0.0.1", "localhost", "0.0.0.0", "") or not port.isdigit():
-        return
-    # Node 0 hosts the rendezvous store: a port someone else holds would make torchrun hang or fail late.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1" if host in ("localhost", "") else host, int(port)))
-        except OSError:
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DappleError(f"rendezvous endpoint '{rdzv_endpoint}' is not HOST:PORT (a port from 1 to 65535)")
+    return Endpoint(host, int(port), listen_host or _address_towards(host, int(port)), True)
+
+
+def _address_towards(host: str, port: int) -> str:
+    """The address of this machine that packets to `host` leave from: where the other nodes reach it."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: chooses a route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        raise DappleError(
+            f"cannot reach the rendezvous host {host} ({exc.strerror or exc}); check --rdzv-endpoint, or give "
+            "the address to listen on with --listen-host"
+        ) from None
+
+
+def _listen(endpoint: Endpoint) -> socket.socket:
+    """Node 0's rendezvous store socket, bound and listening before any process starts (no port race)."""
+    try:
+        infos = socket.getaddrinfo(endpoint.listen_host, endpoint.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DappleError(f"listen host '{endpoint.listen_host}' does not resolve ({exc.strerror})") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
             raise DappleError(
-                f"port {port} of the rendezvous endpoint {rdzv_endpoint} is already in use (another run or "
-                "program holds it); pick another port, or leave out --rdzv-endpoint to use a free one"
+                f"port {endpoint.port} of the rendezvous endpoint {endpoint} is already in use on "
+                f"{endpoint.listen_host} (another run or program holds it); pick another port, or leave out "
+                "--rdzv-endpoint to use a free one on loopback"
             ) from None
+        raise DappleError(
+            f"cannot listen on {endpoint.listen_host}:{endpoint.port} for the rendezvous ({exc.strerror}): "
+            "is it an address of this machine? Give one with --listen-host"
+        ) from None
+    return sock
 
 
-def torchrun_command(
-    plan: Plan, options: RunOptions, nnodes: int, node_rank: int, rdzv_endpoint: str | None
-) -> list[str]:
-    """The torchrun command line that `run` starts (one worker process per local rank)."""
+def torchrun_command(plan: Plan, options: RunOptions, nnodes: int, node_rank: int, endpoint: Endpoint) -> list[str]:
+    """The torchrun command line that `run` starts (one worker process per local rank).
+
+    It runs `torchrun_main` (torchrun tied to this process, its store on the socket `_listen` bound).
+    """
     command = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        "-c",
+        "from dapple_ir.backends.torch.launch import torchrun_main; torchrun_main()",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={plan.ranks // nnodes}",
         f"--node-rank={node_rank}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
+        f"--local-addr={endpoint.listen_host}",
     ]
-    if rdzv_endpoint:
-        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=dapple"]
+    if endpoint.given:
+        # Bounded joins; node 0 hosts the store (on the socket bound by `_listen`), the others dial it.
+        wait = max(1, math.ceil(options.timeout))
+        conf = f"join_timeout={wait},read_timeout={wait},last_call_timeout=1,is_host={int(node_rank == 0)}"
+        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=dapple", f"--rdzv-conf={conf}"]
     else:
-        # Static rendezvous on loopback: nothing listens beyond this machine.
-        command += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        command += [f"--master-addr={endpoint.host}", f"--master-port={endpoint.port}"]
     command += ["-m", "dapple_ir.backends.torch.worker", str(plan.dir), *worker_flags(options)]
     return command
 
 
+#: Environment variables that carry the store socket and listen address from the launcher to torchrun.
+_STORE_FD_ENV, _LISTEN_ENV = "DAPPLE_STORE_FD", "DAPPLE_LISTEN_HOST"
+
+
+def torchrun_main() -> None:
+    """The torchrun process of a run: dies with its launcher, keeps every listener where the launcher says.
+
+    torch's TCPStore server binds every interface whatever host it is given; only one started on a
+    socket that is already bound (`master_listen_fd`) stays on its address. So this process hosts the
+    rendezvous store on the launcher's socket before torchrun starts; torchrun's own store joins it
+    (`multi_tenant`, one server per port). Under c10d rendezvous the agent that becomes rank 0 starts
+    a second store for the workers on a free port: it too is given a socket bound to the listen address.
+    """
+    die_with_parent(signal.SIGTERM)  # SIGTERM: torchrun's handler stops its workers before it exits
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers tie themselves to this process
+    listen_host = os.environ.pop(_LISTEN_ENV, "127.0.0.1")
+    stores: list[Any] = []
+    fd = os.environ.pop(_STORE_FD_ENV, None)
+    if fd is not None:
+        sock = socket.socket(fileno=int(fd))
+        host, port = sock.getsockname()[:2]
+        stores.append((sock, _store_on(sock, host, port)))
+
+    def shared_store_server(handler: Any, master_addr: str, master_port: int) -> Any:
+        sock = socket.create_server((listen_host, master_port), backlog=128)
+        store = _store_on(sock, master_addr, int(sock.getsockname()[1]))
+        stores.append((sock, store))
+        return store
+
+    DynamicRendezvousHandler._create_tcp_store_server = shared_store_server  # type: ignore[method-assign,assignment]
+    sys.argv = ["torchrun", *sys.argv[1:]]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
+def _store_on(sock: socket.socket, host: str, port: int) -> Any:
+    return torch.distributed.TCPStore(
+        host, port, None, True, wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno()
+    )
+
+
+def _torchrun_env(endpoint: Endpoint, sock: socket.socket | None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env[PARENT_PID_ENV] = str(os.getpid())
+    env[_LISTEN_ENV] = endpoint.listen_host
+    if sock is not None:
+        env[_STORE_FD_ENV] = str(sock.fileno())
+    loopback = _loopback_interface()
+    if _is_loopback(endpoint.listen_host) and loopback:
+        # gloo's and NCCL's own sockets (one pair per peer) on loopback too; a user's choice stands.
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    return env
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return min(names, key=len) if names else None
+
+
 def _run_torchrun(
-    plan: Plan, options: RunOptions, nnodes: int, node_rank: int, rdzv_endpoint: str | None
+    plan: Plan, options: RunOptions, nnodes: int, node_rank: int, endpoint: Endpoint
 ) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     run_dir = Path(options.run_dir)
     log_path = run_dir / "torchrun.log"
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    command = torchrun_command(plan, options, nnodes, node_rank, rdzv_endpoint)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            code = proc.wait(timeout=options.timeout * (options.steps + 2) + 120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = -9
     per_node = plan.ranks // nnodes
     local = range(node_rank * per_node, (node_rank + 1) * per_node)
-    errors = {}
-    for rank in local:
-        path = run_dir / f"error_rank_{rank}.json"
-        if path.is_file():
-            errors[rank] = json.loads(path.read_text())
-    reports = {}
-    for rank in local:
-        path = run_dir / f"rank_{rank}.json"
-        if path.is_file():
-            reports[rank] = json.loads(path.read_text())
-    silent = set(local) - set(reports) - set(errors)
-    if errors or code != 0 or silent:
-        message = _first_failure(errors, silent, _root_cause(log_path.read_text()))
+    sock = _listen(endpoint) if node_rank == 0 else None
+    if sock is not None:
+        endpoint = replace(endpoint, port=int(sock.getsockname()[1]))
+    try:
+        command = torchrun_command(plan, options, nnodes, node_rank, endpoint)
+        env = _torchrun_env(endpoint, sock)
+        with log_path.open("w") as log:
+            # A session of its own: a terminal's Ctrl-C reaches this process only, which stops the rest.
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                pass_fds=(sock.fileno(),) if sock is not None else (),
+            )
+    finally:
+        if sock is not None:
+            sock.close()  # torchrun holds its own copy
+    watch = _Watch(proc, run_dir, local, options.timeout, endpoint)
+    try:
+        code = watch.wait()
+    except _Signalled as sig:
+        _hold_signals()  # a second Ctrl-C must not cut the stop short; it is bounded anyway
+        name = signal.Signals(sig.signum).name
+        print(f"dapple run: {name} received, stopping torchrun and the ranks", file=sys.stderr, flush=True)
+        stopped = watch.stop()
+        raise Interrupted(sig.signum, f"stopped by {name}: {stopped}") from None
+    except BaseException:
+        watch.stop()  # whatever went wrong here, no process of the run outlives it
+        raise
+    # c10d rendezvous numbers the nodes as they join, not by --node-rank: on several nodes the ranks are
+    # those of this torchrun's workers, as their heartbeats say (the node_rank range if none was seen).
+    ours = sorted(watch.beats) if nnodes > 1 and watch.beats else list(local)
+    errors = _read_reports(run_dir, "error_rank_{}.json", ours)
+    reports = _read_reports(run_dir, "rank_{}.json", ours)
+    silent = set(ours) - set(reports) - set(errors)
+    if errors or code != 0 or silent or watch.verdict:
+        output = log_path.read_text()
+        primary = any(not e["secondary"] for e in errors.values())
+        if watch.verdict and not primary and not watch.suspects:
+            message = watch.verdict  # a stuck rank, or no rank at all: nothing else knows more
+        else:
+            message = _first_failure(errors, silent, _root_cause(output), watch.suspects)
+        if not (errors or reports or watch.verdict or any(run_dir.glob(heartbeat_file("*")))):
+            message = f"torchrun ended before any rank started: {_rendezvous_error(output, endpoint)}"
+        if watch.stopped:
+            message += f"; the launcher stopped what was left: {watch.stopped}"
         raise RuntimeFailure(f"{message} (worker output: {log_path})")
-    states = {r: torch.load(run_dir / f"rank_{r}_params.pt", weights_only=True) for r in local}
+    states = {r: torch.load(run_dir / f"rank_{r}_params.pt", weights_only=True) for r in ours}
     return reports, states
+
+
+def _read_reports(run_dir: Path, pattern: str, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    found = {}
+    for rank in ranks:
+        path = run_dir / pattern.format(rank)
+        if path.is_file():
+            found[rank] = json.loads(path.read_text())
+    return found
+
+
+class _Watch:
+    """Waits for torchrun with bounds that do not grow with the steps, from the ranks' heartbeats.
+
+    A rank whose progress (`Heartbeat`) has not moved for `timeout` + slack (`PREPARE_S` more while it
+    prepares), no rank started within `START_S` + slack (the rendezvous did not complete), or processes
+    that linger `STOP_GRACE_S` after a rank failed: the watchdog stops everything itself and says why.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], run_dir: Path, ranks: range, timeout: float, endpoint: Endpoint):
+        self.proc = proc
+        self.run_dir = run_dir
+        self.ranks = ranks
+        self.timeout = timeout
+        self.endpoint = endpoint
+        self.beats: dict[int, dict[str, Any]] = {}
+        self.moved: dict[int, float] = {}
+        """Per rank, when (monotonic) its phase, step or progress last changed."""
+        self.verdict = ""
+        """Why the watchdog stopped the run ('' when it did not)."""
+        self.started = time.monotonic()
+        self.suspects: dict[int, str] = {}
+        """Ranks found stopped or frozen when the watchdog stepped in (`frozen`)."""
+        self.started_at: dict[int, str] = {}
+        """Start time (/proc stat field 22) of each worker pid of this run."""
+        self.stopped = ""
+        """What the launcher itself had to stop (`stop`), '' when torchrun ended on its own."""
+
+    def wait(self) -> int:
+        failed_at: float | None = None
+        while (code := self.proc.poll()) is None:
+            now = time.monotonic()
+            self._read(now)
+            if failed_at is None and any(self.run_dir.glob("error_rank_*.json")):
+                failed_at = now
+            if failed_at is not None and now - failed_at > STOP_GRACE_S:
+                # A rank failed and reported why; the rest lingers (a stopped or stuck process): end it.
+                self.suspects = self.frozen()
+                self.stopped = self.stop()
+                return self.proc.returncode
+            stall = self._stall(now)
+            if stall:
+                self.suspects = self.frozen()
+                self.verdict = stall
+                self.stopped = self.stop()
+                return self.proc.returncode
+            time.sleep(_POLL_S)
+        self._read(time.monotonic())
+        return code
+
+    def _read(self, now: float) -> None:
+        """Take in the heartbeats of this launcher's workers (a shared run directory may hold others')."""
+        for path in self.run_dir.glob(heartbeat_file("*")):
+            try:
+                beat = json.loads(path.read_text())
+                rank, pid = int(beat["rank"]), int(beat["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not self._owns(pid, rank):
+                continue
+            key = (beat.get("phase"), beat.get("step"), beat.get("progress"))
+            old = self.beats.get(rank)
+            if old is None or (old.get("phase"), old.get("step"), old.get("progress")) != key:
+                self.moved[rank] = now
+            self.beats[rank] = beat
+
+    def _owns(self, pid: int, rank: int) -> bool:
+        """Whether `pid` is a worker of this run's torchrun, remembered by its start time against pid reuse."""
+        if pid in self.started_at:
+            return True
+        fields = _stat(pid)
+        if not fields:
+            return rank in self.ranks and not Path("/proc/self").exists()  # no /proc: trust the rank range
+        if int(fields[1]) != self.proc.pid:
+            return False
+        self.started_at[pid] = fields[19]
+        return True
+
+    def running(self, pid: int) -> bool:
+        """Whether worker `pid` (seen by `_owns`) still runs: same start time, not a zombie."""
+        fields = _stat(pid)
+        if not fields:
+            if Path("/proc/self").exists():
+                return False
+            try:  # no /proc (macOS): only liveness can be checked
+                os.kill(pid, 0)
+            except OSError:
+                return False
+            return True
+        return fields[19] == self.started_at.get(pid) and fields[0] != "Z"
+
+    def _stall(self, now: float) -> str:
+        if not self.beats:
+            waited = now - self.started
+            if waited > max(self.timeout, START_S) + WATCHDOG_SLACK_S:
+                where = f"at {self.endpoint}" if self.endpoint.given else f"on {self.endpoint.listen_host}"
+                return (
+                    f"the rendezvous {where} did not complete within {waited:.0f} s: no rank started (are all "
+                    "nodes running with the same --rdzv-endpoint, and can they reach it?)"
+                )
+            return ""
+        stalled = []
+        for rank, beat in self.beats.items():
+            phase = beat.get("phase")
+            if phase in ("done", "failed"):
+                continue
+            bound = self.timeout + WATCHDOG_SLACK_S + (PREPARE_S if phase == "preparing" else 0.0)
+            if now - self.moved[rank] > bound:
+                stalled.append((self.moved[rank], rank, now - self.moved[rank]))
+        if not stalled:
+            return ""
+        _, rank, idle = min(stalled)
+        return f"rank {rank} {self._describe(rank)} made no progress for {idle:.0f} s (watchdog)"
+
+    def _describe(self, rank: int) -> str:
+        beat = self.beats[rank]
+        state = _process_state(int(beat["pid"]))
+        where = f"(pid {beat['pid']}, {beat.get('phase')}" + (
+            f", step {beat['step']})" if beat.get("step") is not None else ")"
+        )
+        if state == "T":
+            return f"{where} was stopped (SIGSTOP or a debugger) and"
+        if time.time() - float(beat["time"]) > self.timeout:
+            return f"{where} stopped beating (frozen) and"
+        return where
+
+    def frozen(self) -> dict[int, str]:
+        """Ranks still unfinished whose process is stopped or whose heartbeat went stale: a likely cause."""
+        found = {}
+        for rank, beat in self.beats.items():
+            if beat.get("phase") in ("done", "failed"):
+                continue
+            pid = int(beat["pid"])
+            stale = time.time() - float(beat["time"]) > max(2.0, 4 * heartbeat_interval(self.timeout))
+            state = _process_state(pid)
+            if state == "T" or (stale and state not in ("", "Z")):
+                step = f" at step {beat['step']}" if beat.get("step") is not None else ""
+                how = "was stopped (SIGSTOP or a debugger)" if state == "T" else "stopped beating (frozen)"
+                found[rank] = f"rank {rank} (pid {pid}) {how}{step}"
+        return found
+
+    def stop(self) -> str:
+        """Stop torchrun and the workers (SIGTERM, then SIGKILL after `STOP_GRACE_S`); says what it stopped."""
+        start = time.monotonic()
+        workers = {r: int(b["pid"]) for r, b in self.beats.items() if self.running(int(b["pid"]))}
+        parts = [f"torchrun (pid {self.proc.pid})"] if self.proc.poll() is None else []
+        for rank, pid in sorted(workers.items()):
+            step = self.beats[rank].get("step")
+            parts.append(f"rank {rank} (pid {pid}" + (f", step {step})" if step is not None else ", preparing)"))
+        for pid in workers.values():
+            _send(pid, signal.SIGTERM)
+            _send(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs again
+        if self.proc.poll() is None:
+            _send(self.proc.pid, signal.SIGTERM)
+        deadline = start + STOP_GRACE_S
+        while time.monotonic() < deadline and (self.proc.poll() is None or any(map(self.running, workers.values()))):
+            time.sleep(_POLL_S)
+        killed = [pid for pid in workers.values() if self.running(pid)]
+        for pid in killed:
+            _send(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            killed.append(self.proc.pid)
+            self.proc.kill()
+        self.proc.wait()
+        if not parts:
+            return "nothing was left running"
+        forced = f", SIGKILL for pid(s) {', '.join(map(str, killed))}" if killed else ""
+        return f"{'; '.join(parts)}; all ended within {time.monotonic() - start:.1f} s{forced}"
+
+
+def _send(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); [] if gone or no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of `pid` (R, S, T, Z...), '' if it is gone or /proc is absent."""
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def _rendezvous_error(log: str, endpoint: Endpoint) -> str:
+    """Why no worker started, from torchrun's log: the rendezvous did not complete, or torchrun's own error."""
+    lines = [line.strip() for line in log.splitlines() if re.search(r"\w+(Error|Exception): ", line)]
+    last = lines[-1] if lines else "no error in its log"
+    if "Rendezvous" in log or "rendezvous" in last:
+        return f"the rendezvous at {endpoint} did not complete ({last}); is node 0 running, and reachable there?"
+    return last
 
 
 def _root_cause(log: str) -> tuple[int, int] | None:
@@ -334,26 +804,57 @@ def _root_cause(log: str) -> tuple[int, int] | None:
     return int(rank.group(1)), int(code.group(1))
 
 
-def _first_failure(errors: dict[int, dict[str, Any]], silent: set[int], root: tuple[int, int] | None = None) -> str:
-    """The error of the rank that failed first for a reason of its own, not as an echo of another."""
+def _first_failure(
+    errors: dict[int, dict[str, Any]],
+    silent: set[int],
+    root: tuple[int, int] | None = None,
+    frozen: dict[int, str] | None = None,
+) -> str:
+    """The cause: the rank that failed first for a reason of its own; the others' errors named as its echoes.
+
+    In order: the earliest error that is not an echo (a lost peer, a wait that ran out); else a rank the
+    watchdog saw stopped or frozen (`frozen`); else the rank torchrun saw die without a report (`root`);
+    else the earliest echo, which points at the rank that stopped answering.
+    """
+    frozen = frozen or {}
     primary = sorted((e for e in errors.values() if not e["secondary"]), key=lambda e: e["time"])
     if primary:
         first = primary[0]
-        others = len(errors) + len(silent) - 1
-        tail = f" ({others} other rank(s) stopped because of it)" if others else ""
-        return f"{first['message']}{tail}"
+        return f"{first['message']}{_echoes(errors, silent, int(first['rank']))}"
+    if frozen:
+        rank = min(frozen)
+        return f"{frozen[rank]}{_echoes(errors, silent - {rank}, rank)}"
     if root is not None and root[0] not in errors:
         rank, code = root
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return f"rank {rank} {how} without reporting an error (killed, or out of memory?); the other ranks stopped"
+        cause = f"rank {rank} {how} without reporting an error (killed, or out of memory?)"
+        return f"{cause}{_echoes(errors, silent - {rank}, rank)}"
     if errors:
-        # Only echoes (timeouts, lost peers): the earliest one points at the rank that stopped answering.
         first = sorted(errors.values(), key=lambda e: e["time"])[0]
-        return str(first["message"])
+        return f"{first['message']}{_echoes(errors, silent, int(first['rank']))}"
     if silent:
         ranks = ", ".join(str(r) for r in sorted(silent))
         return f"rank(s) {ranks} exited without reporting an error (killed by a signal or out of memory?)"
     return "torchrun failed before any rank reported"
+
+
+def _echoes(errors: dict[int, dict[str, Any]], silent: set[int], cause: int) -> str:
+    """What the other ranks did after rank `cause` failed: lost their peer, timed out, or ended silently."""
+    lines = []
+    for rank, error in sorted(errors.items()):
+        if rank == cause:
+            continue
+        message = str(error["message"])
+        if not error["secondary"]:
+            what = f"failed too, later: {message.removeprefix(f'rank {rank}').lstrip(',: ')}"
+        elif "timed out" in message.lower():
+            what = f"timed out waiting after rank {cause} failed"
+        else:
+            what = f"lost its peer after rank {cause} failed"
+        lines.append(f"rank {rank}: {what}")
+    if silent - {cause}:
+        lines.append(f"rank(s) {', '.join(map(str, sorted(silent - {cause})))}: stopped without a report")
+    return f". Echoes, not causes: {'; '.join(lines)}" if lines else ""
 
 
 # ------------------------------------------------------------------------------- aggregation

@@ -11,6 +11,14 @@ Random draws (dropout) are seeded per op and microbatch (`random_draws`), so the
 the split. A replicated stage's buffers (batch-norm running statistics) are averaged over its
 replicas by its `allreduce`. With `record_grads` it keeps the gradients of step 0 for `--check`.
 
+Communication runs ahead of its use: `post_recv` (called by the rank file where `peak_memory.recv_posts`
+marks it) posts a receive that the later `recv` only waits for; a run of sends goes to the transport
+together when the next other instruction starts, and a `recv` not posted early goes with the sends just
+before it (`Transport.exchange`: one group on NCCL, like torch's batched isend/irecv). The host
+does not wait for the device inside a step (only for the first step's message headers): losses are kept
+as tensors and read once the step is over (a non-finite one fails the step there), and on CUDA transfers
+and allreduces order the stream rather than block the host.
+
 It measures as it goes: a span per instruction (the simulator's trace schema) and the bytes it
 holds after each instruction that can add to them (CPU: parameters, gradients, optimizer state, stored values and the
 tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak).
@@ -31,7 +39,7 @@ from torch.autograd.graph import GradientEdge, Node
 from dapple_ir.backends.torch.data import microbatch
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.stage_module import StageModule
-from dapple_ir.backends.torch.transport import Pending, Transport, TransportError
+from dapple_ir.backends.torch.transport import Pending, PendingRecv, Transport, TransportError
 from dapple_ir.errors import DappleError
 from dapple_ir.sim.trace import COMM_TRACK, COMPUTE_TRACK, Span
 
@@ -150,6 +158,13 @@ class Runtime:
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
         self.records: dict[tuple[str, int], _Record] = {}
         self.pending: list[Pending] = []
+        self._sends: list[tuple[Any, int, int]] = []
+        self._posts: list[tuple[tuple[str, int, bool], int, int]] = []
+        """Sends and posts not yet issued: a run of them goes out together (`_issue`) before the next other call."""
+        self.posted: dict[tuple[str, int, bool], PendingRecv] = {}
+        """Receives posted ahead of their `recv` (`post_recv`), by (value, mb, grad)."""
+        self.post_log: list[tuple[int, str, int, bool]] = []
+        """This step's posts: (index of the instruction they were posted before, value, mb, grad)."""
         self.reduced: set[tuple[int, tuple[int, ...]]] = set()
         self.losses: dict[int, dict[int, float]] = {}
         self.spans: list[Span] = []
@@ -158,6 +173,7 @@ class Runtime:
         self.step_times: dict[int, tuple[float, float]] = {}
         self._index = 0
         self._current: tuple[str, int] | None = None
+        self._step_losses: list[tuple[str, int, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------ the step loop
 
@@ -166,20 +182,45 @@ class Runtime:
         start = time.time()
         self._index = 0
         self.reduced.clear()
+        self.post_log.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         train_step(self)
+        self._issue()
         for pending in self.pending:
             pending.wait(self.timeout)
         self.pending.clear()
+        if self.posted:
+            left = ", ".join(f"%{v} mb = {mb}" + (" (grad)" if g else "") for v, mb, g in self.posted)
+            self.posted.clear()
+            raise DappleError(f"rank {self.rank}, step {self.step}: receives posted but never received: {left}")
+        self._check_losses()
         # Whatever the program did not free (a plan without insert-frees) goes now.
         self.values.clear()
         self.grads.clear()
         self.records.clear()
         if self.device.type == "cuda":
+            # The one host wait of a step, after it: the step ends when the GPU is done with it.
+            torch.cuda.synchronize(self.device)
             self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
         self.step_times[self.step] = (start, time.time())
         self.step += 1
+
+    def _check_losses(self) -> None:
+        """Read this step's microbatch losses on the host, once the step is done, and refuse a non-finite one."""
+        taken, self._step_losses = self._step_losses, []
+        if not taken:
+            return
+        # One device-to-host copy for the whole step.
+        values = torch.stack([loss.reshape(()).to(torch.float64) for _, _, loss in taken]).tolist()
+        for (stage, mb, _), value in zip(taken, values, strict=True):
+            if not math.isfinite(value):
+                raise DappleError(
+                    f"rank {self.rank}, step {self.step}, {_describe('forward', stage, mb, None)}: the loss of "
+                    f"microbatch {mb} at step {self.step} is {value} (stage @{stage}); training diverged (lower "
+                    "the learning rate) or the data holds NaN/inf"
+                )
+            self.losses.setdefault(self.step, {})[mb] = value
 
     # ------------------------------------------------------------------------------ instructions
 
@@ -207,13 +248,8 @@ class Runtime:
                 self.values[(name, mb)] = value
             if sm.has_loss:
                 loss = results[-1]
-                loss_value = float(loss.detach())
-                if not math.isfinite(loss_value):
-                    raise DappleError(
-                        f"the loss of microbatch {mb} at step {self.step} is {loss_value} (stage @{stage}); "
-                        "training diverged (lower the learning rate) or the data holds NaN/inf"
-                    )
-                self.losses.setdefault(self.step, {})[mb] = loss_value
+                # Kept as a tensor and read after the step (`_check_losses`): no host sync mid-pipeline.
+                self._step_losses.append((stage, mb, loss.detach()))
                 # Scaling each microbatch by 1/M makes the summed gradients those of the global batch.
                 rec.loss = loss / self.microbatches
             self.records[(stage, mb)] = rec
@@ -279,7 +315,7 @@ class Runtime:
             payload = self._grad_to_send(value, mb) if grad else self._value(value, mb, "send")
             if isinstance(payload, torch.Tensor):
                 payload = payload.detach()
-            self.pending.append(self.transport.isend(payload, peer, self._tag(value, mb, grad)))
+            self._sends.append((payload, peer, self._tag(value, mb, grad)))
             if grad:
                 # A value's gradient goes back to its one producer: once sent, this rank is done with it
                 # (the transport keeps the payload alive until the send completes).
@@ -287,11 +323,45 @@ class Runtime:
 
     def recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
         with self._instr("recv", None, mb, peer):
-            payload = self._to_device(self.transport.recv(peer, self._tag(value, mb, grad), self.timeout))
+            key = (value, mb, grad)
+            if key in self.posted or any(queued == key for queued, _, _ in self._posts):
+                self._issue()  # the sends and posts before it go out before this rank waits
+                posted = self.posted.pop(key)
+            else:
+                # Not posted early: the receive joins the sends just before it (one group on NCCL, as torch's
+                # 1F1B pairs them), which is safe on any transport: nothing else is queued between them.
+                sends, self._sends = self._sends, []
+                pending, (posted,) = self.transport.exchange(sends, [(peer, self._tag(value, mb, grad))])
+                self.pending.extend(pending)
+            payload = self._to_device(posted.wait(self.timeout))
             if not grad:
                 self.values[(value, mb)] = payload
             elif payload is not None:  # None: the gradient of a non-tensor (a size), which has none
                 self._add_grad(value, mb, payload)
+
+    def post_recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+        """Post the receive of a later `recv` now, so the transfer lands while this rank computes.
+
+        Not an instruction of the program (it takes no index and no span): where it goes is
+        `peak_memory.recv_posts`'s answer, and the rank file calls it right before that instruction.
+        """
+        key = (value, mb, grad)
+        if key in self.posted or any(key == queued for queued, _, _ in self._posts):
+            raise DappleError(f"rank {self.rank}: the receive of %{value} mb = {mb} is posted twice")
+        self._posts.append((key, peer, self._tag(value, mb, grad)))
+        self.post_log.append((self._index, value, mb, grad))
+
+    def _issue(self) -> None:
+        """Hand the queued sends (together: `Transport.exchange`) and then the queued posts to the transport."""
+        if not self._sends and not self._posts:
+            return
+        sends, posts = self._sends, self._posts
+        self._sends, self._posts = [], []
+        pending, _ = self.transport.exchange(sends, [])
+        self.pending.extend(pending)
+        # Posted one by one, after the sends: a transport that must not run a receive ahead of later sends to
+        # the same peer (NCCL, one stream per pair) defers it to its wait (`DistTransport.irecv`).
+        self.posted.update((key, self.transport.irecv(peer, tag)) for key, peer, tag in posts)
 
     def free(self, value: str, mb: int, grad: bool = False) -> None:
         with self._instr("free", None, mb, None):
@@ -334,6 +404,8 @@ class Runtime:
 
     @contextmanager
     def _instr(self, kind: str, stage: str | None, mb: int | None, peer: int | None) -> Iterator[None]:
+        if kind not in ("send", "recv"):
+            self._issue()  # a recv issues them itself, with its own receive
         start = time.time()
         index = self._index
         self._index += 1

@@ -1,11 +1,13 @@
 """How ranks exchange tensors: torch.distributed (gloo on CPU, NCCL on CUDA) or threads in one process.
 
-Both transports offer the same four operations: `isend` (non-blocking), `recv` (blocking, bounded by a
-timeout), `allreduce` (sum over a group of ranks, in place) and `close`. A payload is a tensor or a
-small non-tensor value (an int from `size()`, a tuple of ints, a float, a bool, None); non-tensors
-travel as JSON text, never pickled. Every wait has a timeout; a wait that runs out, or a peer that
-failed, raises `TransportError`, which the launcher treats as a consequence of another rank's
-failure rather than a cause.
+Both transports offer the same operations: `isend` (non-blocking), `irecv` (posts a receive now and
+returns a handle whose `wait` gives the payload), `recv` (blocking, bounded by a timeout), `exchange`
+(sends and posted receives issued together), `allreduce` (sum over a group of ranks, in place) and
+`close`. A payload is a tensor or a small non-tensor value (an int from `size()`, a tuple of ints, a
+float, a bool, None); non-tensors travel as JSON text, never pickled. Every wait has a timeout (on
+CUDA, where waits order the stream instead of blocking the host, the process group's); a wait that
+runs out, or a peer that failed, raises `TransportError`, which the launcher treats as a consequence
+of another rank's failure rather than a cause.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ class Pending(Protocol):
     def wait(self, timeout: float) -> None: ...
 
 
+class PendingRecv(Protocol):
+    """A receive posted ahead of its use: `wait` blocks (bounded) until the payload is here and returns it."""
+
+    def wait(self, timeout: float) -> Any: ...
+
+
+class PointToPoint(Protocol):
+    """The point-to-point half of a transport (what `exchange_each` and a late receive use)."""
+
+    def isend(self, payload: Any, peer: int, tag: int) -> Pending: ...
+
+    def irecv(self, peer: int, tag: int) -> PendingRecv: ...
+
+    def recv(self, peer: int, tag: int, timeout: float) -> Any: ...
+
+
 class Transport(Protocol):
     """What the runtime needs from a transport."""
 
@@ -61,11 +79,24 @@ class Transport(Protocol):
 
     def isend(self, payload: Any, peer: int, tag: int) -> Pending: ...
 
+    def irecv(self, peer: int, tag: int) -> PendingRecv: ...
+
     def recv(self, peer: int, tag: int, timeout: float) -> Any: ...
+
+    def exchange(
+        self, sends: list[tuple[Any, int, int]], recvs: list[tuple[int, int]]
+    ) -> tuple[list[Pending], list[PendingRecv]]: ...
 
     def allreduce(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None: ...
 
     def close(self) -> None: ...
+
+
+def exchange_each(
+    transport: PointToPoint, sends: list[tuple[Any, int, int]], recvs: list[tuple[int, int]]
+) -> tuple[list[Pending], list[PendingRecv]]:
+    """`exchange` one message at a time: each send (payload, peer, tag) issued, then each receive (peer, tag) posted."""
+    return [transport.isend(*send) for send in sends], [transport.irecv(*recv) for recv in recvs]
 
 
 def to_jsonable(value: Any) -> Any:
@@ -125,6 +156,18 @@ class _Done:
 
 
 @dataclass
+class _Later:
+    """A receive posted on a transport that has nothing to post ahead: it receives when waited on."""
+
+    transport: PointToPoint
+    peer: int
+    tag: int
+
+    def wait(self, timeout: float) -> Any:
+        return self.transport.recv(self.peer, self.tag, timeout)
+
+
+@dataclass
 class ThreadTransport:
     """One rank's view of a `ThreadHub`. Sends copy the payload, so the sender may reuse its tensor."""
 
@@ -142,6 +185,15 @@ class ThreadTransport:
             self.hub.mail.setdefault((self.rank, peer, tag), deque()).append(copy)
             self.hub.cond.notify_all()
         return _Done()
+
+    def irecv(self, peer: int, tag: int) -> PendingRecv:
+        # The mailbox already holds whatever was sent: posting ahead would change nothing.
+        return _Later(self, peer, tag)
+
+    def exchange(
+        self, sends: list[tuple[Any, int, int]], recvs: list[tuple[int, int]]
+    ) -> tuple[list[Pending], list[PendingRecv]]:
+        return exchange_each(self, sends, recvs)
 
     def recv(self, peer: int, tag: int, timeout: float) -> Any:
         with self.hub.cond:
@@ -185,13 +237,56 @@ class _DistPending:
     works: list[Any]
     keep: list[torch.Tensor]
     what: str
+    on_stream: bool = False
 
     def wait(self, timeout: float) -> None:
         for work in self.works:
-            _wait(work, timeout, self.what)
+            _wait(work, timeout, self.what, self.on_stream)
 
 
-def _wait(work: Any, timeout: float, what: str) -> None:
+@dataclass
+class _PostedBody:
+    """A posted receive of a tensor whose shape is known: waiting returns the filled buffer."""
+
+    transport: DistTransport
+    peer: int
+    tag: int
+    body: torch.Tensor
+    work: Any
+    """The receive's work, or the works of the batch it was posted in."""
+
+    def wait(self, timeout: float) -> Any:
+        for work in self.work if isinstance(self.work, list) else [self.work]:
+            _wait(work, timeout, self.transport._what(self.peer, self.tag), self.transport.on_stream)
+        return self.body
+
+
+@dataclass
+class _PostedHeader:
+    """A posted receive of a first message: waiting reads the header, then receives the body it announces."""
+
+    transport: DistTransport
+    peer: int
+    tag: int
+    header: torch.Tensor
+    work: Any
+
+    def wait(self, timeout: float) -> Any:
+        # The header is read on the host (once per (peer, tag) per run): a host wait, even on CUDA.
+        _wait(self.work, timeout, self.transport._what(self.peer, self.tag))
+        return self.transport._body(self.peer, self.tag, self.header, timeout)
+
+
+def _wait(work: Any, timeout: float, what: str, on_stream: bool = False) -> None:
+    """Wait for a transfer or collective. `on_stream` (CUDA): make the current stream wait for it instead of the
+    host, so compute already queued keeps the GPU busy; a hang is then bounded by the process group's
+    timeout (the one `init_process_group` got), after which NCCL's watchdog aborts the rank."""
+    if on_stream:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise TransportError(f"{what} failed: {_first_line(exc)}") from exc
+        return
     try:
         ok = work.wait(timedelta(seconds=timeout))
     except Exception as exc:  # gloo raises on timeouts and on peers that closed their socket
@@ -221,6 +316,8 @@ class DistTransport:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = device
+        self.on_stream = device.type == "cuda"
+        """Waits order the current CUDA stream after the transfer instead of blocking the host (`_wait`)."""
         # new_group is collective: every rank creates every group, in the same (sorted) order.
         self.groups: dict[tuple[int, ...], Any] = {}
         # (peer, tag) -> (dtype, shape) of the tensor whose header went out / came in first.
@@ -234,15 +331,9 @@ class DistTransport:
         what = f"on rank {self.rank} sending tag {tag} to rank {peer}"
         known = self.sent.get((peer, tag))
         if isinstance(payload, torch.Tensor):
-            body = payload.detach().contiguous().to(self.device)
+            body = self._tensor_body(payload, peer, tag)
             if known is not None:
-                if known != (body.dtype, tuple(body.shape)):
-                    raise DappleError(
-                        f"rank {self.rank} sends tag {tag} to rank {peer} as a {body.dtype} tensor of shape "
-                        f"{list(body.shape)}, but earlier as {known[0]} of shape {list(known[1])}: a value crossing "
-                        "stages must keep its shape and dtype from step to step (static shapes)"
-                    )
-                return _DistPending([dist.isend(body, peer, tag=tag)], [body], what)
+                return _DistPending([dist.isend(body, peer, tag=tag)], [body], what, self.on_stream)
             if body.dim() > _MAX_DIMS:
                 raise DappleError(f"cannot send a tensor of {body.dim()} dimensions (at most {_MAX_DIMS})")
             head = [tag, _KIND_TENSOR, _DTYPES.index(body.dtype), body.dim(), *body.shape]
@@ -258,17 +349,79 @@ class DistTransport:
             head = [tag, _KIND_JSON, _DTYPES.index(torch.uint8), 1, len(data)]
         header = torch.tensor(head + [0] * (_HEADER_LEN - len(head)), dtype=torch.int64).to(self.device)
         works = [dist.isend(header, peer, tag=tag), dist.isend(body, peer, tag=tag)]
-        return _DistPending(works, [header, body], what)
+        return _DistPending(works, [header, body], what, self.on_stream)
+
+    def _tensor_body(self, payload: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        """The tensor as it goes on the wire, refused when its shape or dtype differs from its first send."""
+        body = payload.detach().contiguous().to(self.device)
+        known = self.sent.get((peer, tag))
+        if known is not None and known != (body.dtype, tuple(body.shape)):
+            raise DappleError(
+                f"rank {self.rank} sends tag {tag} to rank {peer} as a {body.dtype} tensor of shape "
+                f"{list(body.shape)}, but earlier as {known[0]} of shape {list(known[1])}: a value crossing "
+                "stages must keep its shape and dtype from step to step (static shapes)"
+            )
+        return body
+
+    def exchange(
+        self, sends: list[tuple[Any, int, int]], recvs: list[tuple[int, int]]
+    ) -> tuple[list[Pending], list[PendingRecv]]:
+        """Sends and receives issued together. On NCCL, once every message's header has travelled, as one
+        group (`batch_isend_irecv`: a send and a receive with the same peer run concurrently, in one launch);
+        the receives are then posted here, not deferred as `irecv` defers them. On gloo, whose batches are
+        plain loops, one by one."""
+        ready = all(isinstance(p, torch.Tensor) and (peer, tag) in self.sent for p, peer, tag in sends) and all(
+            key in self.received for key in recvs
+        )
+        if not self.on_stream or not ready or len(sends) + len(recvs) < 2:
+            return exchange_each(self, sends, recvs)
+        ops, pending, posted = [], [], []
+        for payload, peer, tag in sends:
+            body = self._tensor_body(payload, peer, tag)
+            ops.append(dist.P2POp(dist.isend, body, peer, tag=tag))
+            pending.append((body, f"on rank {self.rank} sending tag {tag} to rank {peer}"))
+        for peer, tag in recvs:
+            dtype, shape = self.received[(peer, tag)]
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
+            posted.append((peer, tag, buffer))
+        # NCCL may answer a coalesced group with one work for all of it: every handle waits on them all
+        # (on the stream, so waiting on more than its own costs nothing the group does not cost anyway).
+        works = dist.batch_isend_irecv(ops)
+        sent: list[Pending] = [_DistPending(works, [body], what, True) for body, what in pending]
+        received: list[PendingRecv] = [_PostedBody(self, peer, tag, buffer, works) for peer, tag, buffer in posted]
+        return sent, received
+
+    def irecv(self, peer: int, tag: int) -> PendingRecv:
+        """Post the receive now: its buffer when this (peer, tag) has been seen before, else its header.
+
+        A fresh `torch.empty` per receive, not a pool of our own: the runtime's stores and autograd's saved
+        tensors decide when a received tensor dies, and on CUDA the caching allocator hands the freed block
+        of the same size back to the next receive (NCCL records its stream on the buffer, so that is safe).
+        """
+        if self.on_stream:
+            # NCCL runs a pair's sends and receives on one stream in issue order: a receive posted ahead of a
+            # send the peer needs first would block that send. The host runs ahead of the GPU anyway (every
+            # wait is a stream wait), so receiving at the use still has the transfer queued early on the GPU.
+            return _Later(self, peer, tag)
+        return self._post(peer, tag)
 
     def recv(self, peer: int, tag: int, timeout: float) -> Any:
-        what = f"on rank {self.rank} receiving tag {tag} from rank {peer}"
+        return self._post(peer, tag).wait(timeout)
+
+    def _post(self, peer: int, tag: int) -> PendingRecv:
         known = self.received.get((peer, tag))
         if known is not None:
             body = torch.empty(known[1], dtype=known[0], device=self.device)
-            _wait(dist.irecv(body, peer, tag=tag), timeout, what)
-            return body
+            return _PostedBody(self, peer, tag, body, dist.irecv(body, peer, tag=tag))
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        _wait(dist.irecv(header, peer, tag=tag), timeout, what)
+        return _PostedHeader(self, peer, tag, header, dist.irecv(header, peer, tag=tag))
+
+    def _what(self, peer: int, tag: int) -> str:
+        return f"on rank {self.rank} receiving tag {tag} from rank {peer}"
+
+    def _body(self, peer: int, tag: int, header: torch.Tensor, timeout: float) -> Any:
+        """The payload a first message's header announces (read on the host: once per (peer, tag) per run)."""
         head = header.cpu().tolist()
         if head[0] != tag:
             raise DappleError(
@@ -277,7 +430,7 @@ class DistTransport:
             )
         kind, dtype, ndim = head[1], _DTYPES[head[2]], head[3]
         body = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=self.device)
-        _wait(dist.irecv(body, peer, tag=tag), timeout, what)
+        _wait(dist.irecv(body, peer, tag=tag), timeout, self._what(peer, tag))
         if kind == _KIND_TENSOR:
             self.received[(peer, tag)] = (dtype, tuple(head[4 : 4 + ndim]))
             return body
@@ -287,7 +440,7 @@ class DistTransport:
         if len(group) < 2:
             return
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
-        _wait(work, timeout, f"on rank {self.rank} in allreduce over ranks {list(group)}")
+        _wait(work, timeout, f"on rank {self.rank} in allreduce over ranks {list(group)}", self.on_stream)
 
     def finish(self, timeout: float) -> None:
         """Wait (bounded) until every rank is done, so nobody tears down while a peer still receives."""

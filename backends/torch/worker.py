@@ -9,11 +9,16 @@ and `rank_<r>_params.pt` into the run directory, or `error_rank_<r>.json` when i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import ctypes
 import datetime
 import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapple_ir.backends.torch import checkpoint
 from dapple_ir.backends.torch.codegen import rank_sources
 from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
 from dapple_ir.backends.torch.runtime import DEFAULT_LR, OPTIMIZERS, Runtime, StepData
@@ -52,6 +58,19 @@ class RunOptions:
     """`cpu` or `cuda`."""
     check: bool = False
     """Record the gradients of step 0 for `--check` (the runtime's `record_grads`)."""
+    save_every: int | None = None
+    """With `save`: also save after every step whose number (counted from the first step ever, resumed
+    steps included) is a multiple of this, so a fault loses at most that many steps."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise DappleError(f"steps must be at least 1, not {self.steps}")
+        if self.save_every is not None and self.save_every < 1:
+            raise DappleError(f"--save-every must be at least 1 step, not {self.save_every}")
+        if self.save_every is not None and not self.save:
+            raise DappleError("--save-every needs --save DIR: the directory the checkpoints go to")
+        if not math.isfinite(self.timeout) or self.timeout <= 0:
+            raise DappleError(f"timeout must be a positive number of seconds, not {self.timeout}")
 
 
 @dataclass
@@ -235,14 +254,16 @@ def rank_train_step(plan: Plan, rank: int) -> Callable[[Runtime], None]:
 
 
 def train_rank(plan: Plan, rank: int, rt: Runtime, options: RunOptions) -> dict[str, Any]:
-    """Resume if asked, run the steps, save if asked; returns the rank's report (JSON data)."""
+    """Resume if asked, run the steps, save if asked (every `save_every` steps and after the last);
+    returns the rank's report (JSON data)."""
     train_step = rank_train_step(plan, rank)
     if options.resume:
         load_checkpoint(rt, Path(options.resume), plan)
-    for _ in range(options.steps):
+    for done in range(1, options.steps + 1):
         rt.run_step(train_step)
-    if options.save:
-        save_checkpoint(rt, Path(options.save), plan)
+        periodic = options.save_every is not None and rt.step % options.save_every == 0
+        if options.save and (periodic or done == options.steps):
+            save_checkpoint(rt, Path(options.save), plan)
     return {
         "rank": rank,
         "device": str(rt.device),
@@ -260,45 +281,181 @@ def final_params(rt: Runtime) -> dict[str, Any]:
     return rt.final_state()
 
 
+def check_checkpoints(plan: Plan, options: RunOptions) -> None:
+    """Refuse, before any rank trains, a `--save` directory that cannot be written or a `--resume`
+    checkpoint that does not match the plan (manifest, ranks, every file's size and hash)."""
+    if options.save:
+        checkpoint.check_save_dir(Path(options.save))
+    if options.resume:
+        checkpoint.verify(Path(options.resume), plan.digest, plan.ranks)
+
+
 def save_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Save the rank's state at its current step; every rank of the plan calls this at the same step."""
+    world = tuple(range(plan.ranks))
+
+    def barrier() -> None:
+        # Rank 0 commits the manifest only once every rank's file is on disk.
+        rt.transport.allreduce(torch.zeros(1, device=rt.device), world, rt.timeout)
+
     state = rt.state_dict()
-    state["plan_sha256"] = plan.ir_sha256
-    torch.save(state, directory / f"rank_{rt.rank}.pt")
+    checkpoint.save(state, directory, rank=rt.rank, world_size=plan.ranks, plan_digest=plan.digest, barrier=barrier)
 
 
 def load_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
-    path = directory / f"rank_{rt.rank}.pt"
-    if not path.is_file():
-        raise DappleError(f"rank {rt.rank}: checkpoint {path} does not exist")
-    # weights_only: a checkpoint holds tensors and plain data, never arbitrary objects.
-    state = torch.load(path, map_location=rt.device, weights_only=True)
-    if state.get("plan_sha256") != plan.ir_sha256:
-        raise DappleError(f"rank {rt.rank}: checkpoint {path} was saved by a different plan; resume with the same plan")
-    rt.load_state_dict(state)
+    rt.load_state_dict(checkpoint.load(directory, rt.rank, plan.digest))
 
 
 # ------------------------------------------------------------------------------ error reports
 
 
-def error_report(rank: int, exc: BaseException) -> dict[str, Any]:
-    """What a failing rank writes: its message, and whether it is only the echo of another failure."""
-    message = str(exc) if isinstance(exc, DappleError) else f"rank {rank}: {type(exc).__name__}: {exc}"
+def error_report(rank: int, exc: BaseException, when: float | None = None) -> dict[str, Any]:
+    """What a failing rank writes: its message, when it failed, and whether it only echoes another failure.
+
+    `when` is the moment the error was raised (`failure_time`), not the later moment the report is
+    written: closing the transport can take a while, and the launcher orders failures by this time.
+    """
+    secondary = is_echo(exc)
+    message = str(exc) if isinstance(exc, DappleError) else f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
     if not message.startswith(f"rank {rank}"):
         message = f"rank {rank}: {message}"
     return {
         "rank": rank,
-        "time": time.time(),
-        "secondary": isinstance(exc, TransportError),
+        "time": when if when is not None else failure_time(exc),
+        "secondary": secondary,
         "message": message,
         "traceback": traceback.format_exception(exc),
     }
 
 
+def is_echo(exc: BaseException) -> bool:
+    """Whether `exc` is a lost peer or a wait that ran out: the echo of a failure elsewhere, not a cause."""
+    if isinstance(exc, TransportError | ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistBackendError):
+        return True  # store and network errors (DistNetworkError, DistStoreError): the peer or the store is gone
+    text = str(exc)
+    return any(echo in text for echo in _ECHOES)
+
+
+#: What gloo and the store say when a peer went away.
+_ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def failure_time(exc: BaseException) -> float:
+    """When `exc` was first seen failing (`mark_failure`), else now."""
+    return float(getattr(exc, "_dapple_failed_at", time.time()))
+
+
+def mark_failure(exc: BaseException) -> None:
+    """Record now as the moment `exc` failed, unless an earlier handler already did."""
+    if not hasattr(exc, "_dapple_failed_at"):
+        with contextlib.suppress(AttributeError):
+            exc._dapple_failed_at = time.time()  # type: ignore[attr-defined]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
+    """Write `data` as JSON atomically: readers see the old file or the whole new one, never a part."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------ liveness
+
+
+#: Environment variable holding the pid of the process whose death must end this one (set by the launcher).
+PARENT_PID_ENV = "DAPPLE_PARENT_PID"
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """End this process with `signum` when its parent dies, even if the parent is killed with SIGKILL.
+
+    On Linux the kernel does it (PR_SET_PDEATHSIG); elsewhere a thread polls the parent's pid. A parent
+    that died before this call is noticed at once: the parent pid then differs from `DAPPLE_PARENT_PID`.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected is None:
+        return  # not started by dapple's launcher (a hand-run torchrun): nothing to tie to
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        parent = os.getppid()
+        threading.Thread(target=_watch_parent, args=(parent, signum), name="dapple-parent-watch", daemon=True).start()
+    if str(os.getppid()) != expected:
+        os.kill(os.getpid(), signum)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _watch_parent(parent: int, signum: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signum)
+
+
+class Heartbeat:
+    """Writes `heartbeat_rank_<r>.json` about every `interval` seconds: pid, phase, step and progress.
+
+    The launcher's watchdog reads it: `progress` (instructions completed) that stops changing means a
+    stuck rank; a file that stops being rewritten means a process that no longer runs (stopped, frozen).
+    Phases: preparing (capture, rendezvous), training, finishing, done, failed.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, interval: float) -> None:
+        self.path = run_dir / heartbeat_file(rank)
+        self.rank = rank
+        self.interval = interval
+        self.phase = "preparing"
+        self.runtime: Runtime | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._beat, name="dapple-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.write()
+        self._thread.start()
+        return self
+
+    def set(self, phase: str, runtime: Runtime | None = None) -> None:
+        self.phase = phase
+        self.runtime = runtime or self.runtime
+        self.write()
+
+    def stop(self, phase: str) -> None:
+        self._stop.set()
+        self._thread.join(self.interval * 2)
+        self.set(phase)
+
+    def write(self) -> None:
+        rt = self.runtime
+        step, progress = (rt.step, rt.step + len(rt.spans)) if rt is not None else (None, 0)
+        data = {"rank": self.rank, "pid": os.getpid(), "phase": self.phase, "step": step, "progress": progress}
+        # The beating thread and the rank's own phase changes write the same file. A full disk must not
+        # kill the rank: the watchdog notices the silence.
+        with self._lock, contextlib.suppress(OSError):
+            write_json(self.path, {**data, "time": time.time()})
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.write()
+
+
+def heartbeat_file(rank: int | str) -> str:
+    return f"heartbeat_rank_{rank}.json"
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """Seconds between beats: often enough that the watchdog sees a frozen rank well within `timeout`."""
+    return max(0.05, min(1.0, timeout / 10))
 
 
 # ------------------------------------------------------------------------------ torchrun entry
@@ -306,10 +463,15 @@ def write_json(path: Path, data: Any) -> None:
 
 def resolve_optimizer(plan: Plan, optimizer: str | None, lr: float | None) -> tuple[str, float]:
     """The optimizer and learning rate of a run: given ones, else plan.json's, else sgd / torch's defaults."""
-    name = (optimizer or plan.meta.get("optimizer") or plan.module.attrs.optimizer or "sgd").lower()
+    chosen = optimizer or plan.meta.get("optimizer") or plan.module.attrs.optimizer or "sgd"
+    name = str(chosen).lower()
     if name not in OPTIMIZERS:
-        raise DappleError(f"unknown optimizer '{name}'; choose one of {', '.join(OPTIMIZERS)}")
-    return name, float(lr if lr is not None else plan.meta.get("lr", DEFAULT_LR[name]))
+        raise DappleError(f"unknown optimizer '{chosen}'; choose one of {', '.join(OPTIMIZERS)}")
+    if lr is None:
+        return name, plan.lr if plan.lr is not None else DEFAULT_LR[name]
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
+        raise DappleError(f"the learning rate must be a positive finite number, not {lr!r}")
+    return name, float(lr)
 
 
 def worker_flags(options: RunOptions) -> list[str]:
@@ -318,11 +480,13 @@ def worker_flags(options: RunOptions) -> list[str]:
     flags += [f"--timeout={options.timeout!r}", f"--run-dir={options.run_dir}", f"--device={options.device}"]
     flags += [f"--save={options.save}"] if options.save else []
     flags += [f"--resume={options.resume}"] if options.resume else []
+    flags += [f"--save-every={options.save_every}"] if options.save_every is not None else []
     flags += ["--check"] if options.check else []
     return flags
 
 
-def main(argv: list[str] | None = None) -> int:
+def worker_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (`worker_flags` writes it)."""
     parser = argparse.ArgumentParser(
         description="Run one rank of a plan (start it with torchrun, one process per rank; `dapple run` does).",
         epilog="example:\n  torchrun --nproc-per-node 4 -m dapple_ir.backends.torch.worker plans/gpt --steps 5",
@@ -337,27 +501,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument("--save-every", type=int, help="with --save: also save every N steps")
     parser.add_argument("--check", action="store_true", help="record the gradients of step 0 for dapple run --check")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace, optimizer: str, lr: float, run_dir: Path) -> RunOptions:
+    """The `RunOptions` that `worker_flags` wrote, parsed back (optimizer and lr resolved against the plan)."""
+    return RunOptions(
+        steps=args.steps,
+        optimizer=optimizer,
+        lr=lr,
+        timeout=args.timeout,
+        run_dir=str(run_dir),
+        save=args.save,
+        resume=args.resume,
+        device=args.device,
+        check=args.check,
+        save_every=args.save_every,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(args.run_dir or Path(args.plan_dir) / "run")
     run_dir.mkdir(parents=True, exist_ok=True)
+    die_with_parent()  # torchrun gone (its launcher killed, even with SIGKILL): this rank goes too
+    heartbeat = Heartbeat(run_dir, rank, heartbeat_interval(args.timeout)).start()
     try:
         optimizer, lr = resolve_optimizer(load_plan(args.plan_dir), args.optimizer, args.lr)
-        options = RunOptions(
-            args.steps, optimizer, lr, args.timeout, str(run_dir), args.save, args.resume, args.device, args.check
-        )
-        report, params = _run_torchrun_rank(args.plan_dir, rank, options)
+        options = options_from_args(args, optimizer, lr, run_dir)
+        report, params = _run_torchrun_rank(args.plan_dir, rank, options, heartbeat)
     except BaseException as exc:
-        write_json(run_dir / f"error_rank_{rank}.json", error_report(rank, exc))
+        mark_failure(exc)
+        report_path = run_dir / f"error_rank_{rank}.json"
+        if not report_path.is_file():  # written already if the rank failed while its peers were connected
+            write_json(report_path, error_report(rank, exc))
+        heartbeat.stop("failed")
         print(f"dapple worker: {error_report(rank, exc)['message']}", file=sys.stderr)
         return 1
     torch.save(params, run_dir / f"rank_{rank}_params.pt")
     write_json(run_dir / f"rank_{rank}.json", report)
+    heartbeat.stop("done")
     return 0
 
 
-def _run_torchrun_rank(plan_dir: str, rank: int, options: RunOptions) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _run_torchrun_rank(
+    plan_dir: str, rank: int, options: RunOptions, heartbeat: Heartbeat | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     plan = load_plan(plan_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.ranks:
@@ -367,15 +559,29 @@ def _run_torchrun_rank(plan_dir: str, rank: int, options: RunOptions) -> tuple[d
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if options.save:  # the launcher checked the whole --resume checkpoint; each rank checks its file as it loads
+        checkpoint.check_save_dir(Path(options.save))
     prepared = prepare_model(plan)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=options.timeout))
     groups = [tuple(i.group) for p in plan.module.programs for i in p.instrs if i.group]
+    groups.append(tuple(range(plan.ranks)))  # the barrier of a checkpoint save
     transport = DistTransport(groups, device)
     try:
         rt = build_runtime(plan, rank, prepared, transport, options, device)
+        if heartbeat is not None:
+            heartbeat.set("training", rt)
         report = train_rank(plan, rank, rt, options)
+        if heartbeat is not None:
+            heartbeat.set("finishing")
         transport.finish(options.timeout)
         return report, final_params(rt)
+    except BaseException as exc:
+        # Report now, while the peers still wait on this rank: closing the transport below makes their
+        # waits fail, and the launcher must see this rank's error first (by time and on disk).
+        mark_failure(exc)
+        with contextlib.suppress(OSError):
+            write_json(Path(options.run_dir) / f"error_rank_{rank}.json", error_report(rank, exc))
+        raise
     finally:
         transport.close()
 

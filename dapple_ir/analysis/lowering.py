@@ -154,3 +154,33 @@ class _Lowering:
             if rank in group and len(group) > 1:
                 out.append(Instr(InstrKind.ALLREDUCE, param=name, group=tuple(sorted(group))))
         return out
+
+
+#: What may sit between a compute and the receives posted after it: the compute's own sends and frees go first.
+_POST_SKIPS = frozenset({InstrKind.SEND, InstrKind.FREE})
+
+
+def early_post_points(instrs: list[Instr]) -> dict[int, int]:
+    """Where each receive may be posted, if earlier than where it sits: recv index -> instruction index.
+
+    A receive is needed at its `recv` (where the rank waits for the data); its buffer can be posted one
+    compute earlier, right after the sends and frees that follow the compute before the one preceding
+    the `recv`, so the transfer lands while that compute runs (torch's 1F1B posts its receives together
+    with the sends of the step before, the same distance ahead). Posts keep the order of their receives,
+    so two ranks still pair their messages in program order. Whether the memory allows the early buffer
+    is `peak_memory.recv_posts`'s decision.
+    """
+    points: dict[int, int] = {}
+    computes: list[int] = []
+    for index, instr in enumerate(instrs):
+        if instr.kind in COMPUTE_KINDS:
+            computes.append(index)
+            continue
+        if instr.kind is not InstrKind.RECV:
+            continue
+        post = computes[-2] + 1 if len(computes) >= 2 else 0
+        while post < index and instrs[post].kind in _POST_SKIPS:
+            post += 1
+        if post < index:
+            points[index] = post
+    return points

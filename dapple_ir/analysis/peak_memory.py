@@ -3,7 +3,8 @@
 A rank holds its static bytes (parameters, gradients and optimizer state of the stages it hosts, counted
 once even when a tied parameter sits in two of them) plus what is live at the instruction being run:
   * `forward @s mb=m` keeps the stage's activations (`memory.activation_bytes`) until `free @s mb=m`;
-  * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free;
+  * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free,
+    from the point its receive is posted (`recv_posts`: up to one compute ahead, where memory allows);
   * `backward_input @s mb=m` keeps what the weight pass restarts from (`weight_pass_bytes`) until
     `free @s mb=m`.
 Without free instructions (before `insert-frees`) nothing is released; `activation_peak_microbatches`
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapple_ir.analysis import memory
+from dapple_ir.analysis.lowering import early_post_points
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
 
 
@@ -142,10 +144,25 @@ def _memo(table: dict[Any, float], key: Any, compute: Callable[[], float]) -> fl
 def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = None) -> Iterator[tuple[int, float]]:
     """(instruction index, bytes allocated or released: negative) for each instruction that changes the
     rank's live bytes, in program order. A free of something the rank never allocated (a value it sent,
-    say) releases nothing and is left out."""
+    say) releases nothing and is left out. A receive posted early (`recv_posts`) holds its buffer from the
+    instruction it is posted before, not from its `recv`."""
     sizes = sizes or Sizes(module)
+    return _changes(module, program, sizes, recv_posts(module, program, sizes))
+
+
+def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int, int]) -> Iterator[tuple[int, float]]:
     live: dict[tuple[object, ...], float] = {}
+    posted_before: dict[int, list[int]] = {}
+    for recv, post in posts.items():
+        posted_before.setdefault(post, []).append(recv)
     for index, instr in enumerate(program.instrs):
+        for recv in sorted(posted_before.get(index, ())):
+            early = program.instrs[recv]
+            assert early.value is not None
+            size = sizes.transferred(early.value)
+            if size > 0:
+                live[_key(early)] = live.get(_key(early), 0.0) + size
+                yield index, size
         kind, stage = instr.kind, instr.stage
         if kind is InstrKind.FREE:
             size = -live.pop(_key(instr), 0.0)
@@ -153,7 +170,7 @@ def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = N
             size = sizes.activation(stage)
         elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
             size = sizes.weight_pass(stage)
-        elif kind is InstrKind.RECV and instr.value is not None:
+        elif kind is InstrKind.RECV and instr.value is not None and index not in posts:
             size = sizes.transferred(instr.value)
         else:
             continue
@@ -162,6 +179,42 @@ def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = N
             live[key] = live.get(key, 0.0) + size
         if size:
             yield index, size
+
+
+def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None) -> dict[int, int]:
+    """recv index -> index of the instruction its receive is posted before, for the receives posted early.
+
+    Each receive `lowering.early_post_points` allows is posted there when its buffer, held from that point
+    to its `recv`, keeps the rank within the peak it has with every receive posted at its `recv`: early
+    posting hides transfers behind compute and never costs memory the plan did not already budget (it
+    may reach that peak sooner, so a memory diagnostic can name an earlier instruction). Taken in
+    program order, so an earlier receive has the first claim on the headroom.
+    """
+    candidates = early_post_points(program.instrs)
+    if not candidates:
+        return {}
+    sizes = sizes or Sizes(module)
+    level = [0.0] * len(program.instrs)  # live bytes while each instruction runs
+    total = 0.0
+    changes = iter(_changes(module, program, sizes, {}))
+    pending = next(changes, None)
+    for index in range(len(program.instrs)):
+        while pending is not None and pending[0] == index:
+            total += pending[1]
+            pending = next(changes, None)
+        level[index] = total
+    peak = max(level)
+    posts: dict[int, int] = {}
+    for recv, post in sorted(candidates.items()):
+        value = program.instrs[recv].value
+        assert value is not None
+        size = sizes.transferred(value)
+        if max(level[post:recv]) + size > peak:
+            continue
+        for index in range(post, recv):
+            level[index] += size
+        posts[recv] = post
+    return posts
 
 
 def program_peak(module: Module, program: RankProgram, sizes: Sizes | None = None) -> RankPeak:

@@ -4,6 +4,13 @@
 backward. The backward moves about twice the forward's bytes: it reads the saved inputs and the
 output gradient, and writes the input gradient. `annotate-cost` prices ops with it and
 `dapple calibrate --fit` divides measured times by it.
+
+An op's time is affine in its batch: `op_overhead` (the kernel launch and the floor a kernel too
+small to fill the device cannot go below) does not shrink with the batch, the rest scales with it.
+So an op's efficiency, its variable part over its whole time, falls with the batch, to one half at
+the batch whose variable part equals `op_overhead`. `rescaled_s` moves a time measured or priced
+at one batch to another by that rule: the planner, `plan` (which writes each op's time at the
+chosen microbatch, so that the simulator sees the fixed part too) and `annotate-cost` all use it.
 """
 
 from __future__ import annotations
@@ -27,3 +34,28 @@ def roofline_times(
     if bwd > 0:
         bwd += kind.op_overhead
     return fwd, bwd
+
+
+def fixed_s(seconds: float, kind: DeviceKind) -> float:
+    """The part of an op call's `seconds` that does not shrink with the batch: the kind's per-call
+    cost, at most the whole (a call that costs nothing, a view, has none)."""
+    return min(seconds, kind.op_overhead)
+
+
+def rescaled_s(seconds: float, old_batch: float, new_batch: float, kind: DeviceKind) -> float:
+    """An op call's time at `new_batch` samples from its time at `old_batch`: the fixed part
+    (`fixed_s`) stays, the rest scales with the batch."""
+    fixed = fixed_s(seconds, kind)
+    return fixed + (seconds - fixed) * new_batch / old_batch
+
+
+def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (batch, seconds) points at two or more
+    batches: how `dapple calibrate` reads a fixed part per call off times measured at several sizes."""
+    xs = {x for x, _y in points}
+    if len(xs) < 2:
+        raise ValueError(f"a line needs points at two or more batches, not {sorted(xs)}")
+    mean_x = sum(x for x, _y in points) / len(points)
+    mean_y = sum(y for _x, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _y in points)
+    return mean_y - slope * mean_x, slope

@@ -34,8 +34,12 @@ class DeviceKind:
     mem_bandwidth: float
     """Memory bandwidth in bytes/s."""
     op_overhead: float = 0.0
-    """Fixed seconds each op call costs on top of its roofline (dispatch, kernel launch); it
-    dominates small ops on a CPU. `dapple calibrate` measures it."""
+    """Fixed seconds each op call costs on top of its roofline, whatever its batch: dispatch and
+    kernel launch, and on a GPU the floor of a kernel too small to fill the device (below about the
+    work a GEMM needs to reach half of peak, time stops falling with size). It makes an op's time
+    affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`), so tiny microbatches pay for it
+    once per op and microbatch. `dapple calibrate` measures it (`--fit` with profiles at two or
+    more microbatch sizes fits it from them)."""
 
     def flops(self, dtype: str = "f32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])
@@ -52,18 +56,29 @@ class Link:
         return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
+#: Seconds per op call on each GPU generation (`DeviceKind.op_overhead`): about 5 us of eager
+#: dispatch and kernel launch, plus the occupancy floor, the time of the work at which a kernel
+#: reaches half of the device's peak (cuBLAS f32 GEMMs of about 512^3, 0.27 GFLOP: 17 us on a V100;
+#: more SMs move that size up and faster SMs move its time down). Estimates, not measurements:
+#: `dapple calibrate` on the machine replaces them.
+_V100_OVERHEAD, _A100_OVERHEAD, _H100_OVERHEAD = 30e-6, 25e-6, 20e-6
+
 #: Device presets. V100 figures follow DAPPLE's planner (16 GB, 25 GB/s NVLink inside a server).
 PRESETS: dict[str, DeviceKind] = {
-    "V100-16GB": DeviceKind("V100-16GB", 16 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9),
-    "V100-32GB": DeviceKind("V100-32GB", 32 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9),
+    "V100-16GB": DeviceKind("V100-16GB", 16 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9, _V100_OVERHEAD),
+    "V100-32GB": DeviceKind("V100-32GB", 32 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9, _V100_OVERHEAD),
     "A100-40GB": DeviceKind(
-        "A100-40GB", 40 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 1555e9
+        "A100-40GB", 40 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 1555e9, _A100_OVERHEAD
     ),
     "A100-80GB": DeviceKind(
-        "A100-80GB", 80 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 2039e9
+        "A100-80GB", 80 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 2039e9, _A100_OVERHEAD
     ),
-    "H100": DeviceKind("H100", 80 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 3350e9),
-    "H200": DeviceKind("H200", 141 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 4800e9),
+    "H100": DeviceKind(
+        "H100", 80 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 3350e9, _H100_OVERHEAD
+    ),
+    "H200": DeviceKind(
+        "H200", 141 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 4800e9, _H100_OVERHEAD
+    ),
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
     # dispatch and autograd) on the 2-core dev VM when idle. Calibrate your machine for its own.
@@ -233,6 +248,22 @@ class ClusterSpec:
         return self.intra if self.node_of(a) == self.node_of(b) else self.inter
 
 
+#: The most devices a cluster may have (nodes x devices per node): far beyond any cluster a plan is made for,
+#: small enough that the planner's work and every per-device table stay bounded.
+MAX_DEVICES = 2**16
+
+
+def check_device_count(nodes: int, per_node: int, where: str) -> None:
+    """Refuse a cluster of more than `MAX_DEVICES` devices (or of none) before anything is built for it."""
+    if nodes < 1 or per_node < 1:
+        raise ClusterError(f"{where}: nodes and devices per node must be at least 1")
+    if nodes * per_node > MAX_DEVICES:
+        raise ClusterError(
+            f"{where}: {nodes:,} node(s) x {per_node:,} device(s) is more than the {MAX_DEVICES:,} devices a "
+            "cluster may have"
+        )
+
+
 def parse_shorthand(text: str) -> ClusterSpec:
     """`NODESxDEVICESxKIND` (`2x8xV100-16GB`), or `DEVICESxKIND` for one node."""
     parts = text.split("x", 2)
@@ -249,8 +280,7 @@ def parse_shorthand(text: str) -> ClusterSpec:
         ) from None
     if kind not in PRESETS:
         raise ClusterError(f"cluster '{text}': unknown device kind '{kind}'; presets are: {', '.join(PRESETS)}")
-    if nodes < 1 or per_node < 1:
-        raise ClusterError(f"cluster '{text}': nodes and devices per node must be at least 1")
+    check_device_count(nodes, per_node, f"cluster '{text}'")
     machine = MACHINES[kind]
     return ClusterSpec(
         (PRESETS[kind],) * nodes,

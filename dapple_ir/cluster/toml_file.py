@@ -41,7 +41,18 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster.spec import FABRICS, MACHINES, PRESETS, ClusterSpec, DeviceKind, Link, Machine, parse_shorthand
+from dapple_ir.cluster.spec import (
+    FABRICS,
+    MACHINES,
+    MAX_DEVICES,
+    PRESETS,
+    ClusterSpec,
+    DeviceKind,
+    Link,
+    Machine,
+    check_device_count,
+    parse_shorthand,
+)
 from dapple_ir.errors import ClusterError
 
 _TOP_KEYS = {
@@ -105,6 +116,8 @@ class _Reader:
             raise self.error(field, f"must be {kind}, not {value!r}")
         if value < 0 or (value == 0 and not allow_zero):
             raise self.error(field, f"must be {kind}, not {value!r}")
+        if value > _MAX_NUMBER:
+            raise self.error(field, f"is {value:.3g}, beyond any real cluster (at most {_MAX_NUMBER:.3g})")
         return float(value)
 
     def table(self, value: object, field: str) -> dict[str, Any]:
@@ -113,8 +126,13 @@ class _Reader:
         return value
 
 
+#: The largest number any field takes (a bandwidth in B/s or a rate in FLOP/s stays far below it).
+_MAX_NUMBER = 1e30
+
+
 def resolve_cluster(text: str) -> ClusterSpec:
-    """A cluster from a shorthand (`2x8xV100-16GB`) or a TOML file path (ending in `.toml`)."""
+    """A cluster from a shorthand (`2x8xV100-16GB`) or a TOML file path (ending in `.toml`); either way at
+    most `MAX_DEVICES` (65,536) devices, so the planner's work stays bounded."""
     if text.endswith(".toml"):
         return load_cluster_toml(text)
     return parse_shorthand(text)
@@ -148,8 +166,9 @@ def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>", text: str =
                 field,
                 f"names device kind '{name}', which is neither a preset nor a [device_kinds] table; known: {known}",
             )
-    node_kinds = tuple(kinds.get(n) or PRESETS[n] for n in node_names)
     per_node = int(r.positive(data.get("devices_per_node"), "devices_per_node", integer=True))
+    check_device_count(len(node_names), per_node, f"cluster file {path}")
+    node_kinds = tuple(kinds.get(n) or PRESETS[n] for n in node_names)
     machine = _machine_of(data, node_names[0])
     links = r.table(data.get("links", {}), "links")
     r.check_keys(links, {"intra_node", "inter_node"}, "links")
@@ -202,7 +221,10 @@ def _node_kind_names(r: _Reader, data: dict[str, Any]) -> list[str]:
     device = data["device"]
     if not isinstance(device, str):
         raise r.error("device", f"must be a device kind name, not {device!r}")
-    nodes = int(r.positive(data.get("nodes", 1), "nodes", integer=True))
+    nodes = data.get("nodes", 1)
+    r.positive(nodes, "nodes", integer=True)
+    if nodes > MAX_DEVICES:
+        raise r.error("nodes", f"is {nodes:,}, more than the {MAX_DEVICES:,} devices a cluster may have")
     return [device] * nodes
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapple_ir.cluster.roofline import roofline_times
+from dapple_ir.cluster.roofline import line_fit, roofline_times
 from dapple_ir.cluster.spec import DEFAULT_LINKS, ClusterSpec, DeviceKind
 from dapple_ir.cluster.toml_file import cluster_to_toml
 from dapple_ir.errors import DappleError
@@ -39,7 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--devices", type=int, help="devices (ranks) on this node (default: GPUs, or 1 on a CPU)")
     p.add_argument("--nodes", type=int, default=1, help="nodes like this one in the cluster (default: 1)")
-    p.add_argument("--fit", metavar="PROFILE_JSON", help="fit per-op-class efficiency from a `dapple profile` JSON")
+    p.add_argument(
+        "--fit",
+        metavar="PROFILE_JSON",
+        nargs="+",
+        help="fit per-op-class efficiency from `dapple profile` JSONs; with profiles at two or more "
+        "--microbatch sizes, also the fixed seconds per op call (op_overhead) from how times shrink",
+    )
     p.add_argument("-o", "--output", required=True, help="cluster TOML to write")
     p.set_defaults(func=run)
 
@@ -59,10 +65,18 @@ def run(args: argparse.Namespace) -> int:
         # A busy machine can measure its own link below the default between nodes; a link to another
         # node is never faster than one inside this node, so the cluster file stays consistent.
         inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
+    if args.fit and len(args.fit) > 1:
+        # Measured in the model's own ops rather than in a loop of tiny ones: it replaces the tiny-op figure.
+        fixed = fit_fixed_s(args.fit)
+        kind = dataclasses.replace(kind, op_overhead=fixed)
+        solo = dataclasses.replace(solo, op_overhead=fixed)
     spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
-    if args.fit:
+    # Efficiency from the largest microbatch (the least dominated by the fixed part); profiles
+    # without FLOP counts (an imported model's) still fit the fixed part when there are several.
+    largest = max(args.fit or [], key=lambda path: _read_profile(path)[0], default=None)
+    if largest is not None and (len(args.fit) == 1 or _has_flop_counts(largest)):
         spec = ClusterSpec(
-            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(args.fit, solo)
+            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(largest, solo)
         )
     Path(args.output).write_text(cluster_to_toml(spec))
     fitted = ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency.items()) or "defaults"
@@ -87,12 +101,8 @@ def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
     the ops of a running step share, so the fitted model adds up to the step, not to the sum of parts.
     """
     compute_only = dataclasses.replace(kind, op_overhead=0.0)
-
-    try:
-        profile: dict[str, Any] = json.loads(Path(path).read_text())
-        ops: dict[str, dict[str, Any]] = profile["ops"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DappleError(f"calibrate: {path} is not a profile written by `dapple profile` ({exc})") from None
+    _batch, profile = _read_profile(path)
+    ops: dict[str, dict[str, Any]] = profile["ops"]
     summed = sum(float(e.get("fwd_s", 0.0)) + float(e.get("bwd_s", 0.0)) for e in ops.values())
     scale = float(profile["step_s"]) / summed if profile.get("step_s") and summed > 0 else 1.0
     ideal: dict[str, float] = {}
@@ -113,3 +123,48 @@ def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
         raise DappleError(f"calibrate: {path} has no ops with FLOP counts to fit efficiencies from")
     lo, hi = _EFFICIENCY_RANGE
     return {c: round(min(hi, max(lo, ideal[c] / measured[c])), 4) for c in sorted(measured) if measured[c] > 0}
+
+
+def fit_fixed_s(paths: list[str]) -> float:
+    """Fixed seconds per op call, from profiles of one model at two or more microbatch sizes.
+
+    An op call's time is affine in its microbatch b (`dapple_ir.cluster.roofline`): t = f + k b.
+    Summed over the N calls (forward and backward of every op that takes time) that every profile
+    timed, T(b) = N f + K b; the least-squares line through the profiles' (b, T(b)) has intercept
+    N f. A negative intercept (noise on a machine with no fixed cost to speak of) gives 0.
+    """
+    profiles = [_read_profile(path) for path in paths]
+    batches = {batch for batch, _profile in profiles}
+    if len(batches) < 2:
+        raise DappleError(
+            f"calibrate: the fixed cost per op call is fitted from profiles at two or more microbatch sizes, "
+            f"but {', '.join(paths)} all measured microbatch {batches.pop()}; profile again with another "
+            "--microbatch"
+        )
+    shared = set.intersection(*(set(p["ops"]) for _batch, p in profiles))
+    calls = {
+        (name, key)
+        for name in shared
+        for key in ("fwd_s", "bwd_s")
+        if all(float(p["ops"][name].get(key, 0.0)) > 0 for _batch, p in profiles)
+    }
+    if not calls:
+        raise DappleError(f"calibrate: {', '.join(paths)} share no op that takes time; profile one model at each size")
+    points = [(float(batch), sum(float(p["ops"][name][key]) for name, key in calls)) for batch, p in profiles]
+    intercept, _slope = line_fit(points)
+    return max(0.0, intercept / len(calls))
+
+
+def _has_flop_counts(path: str) -> bool:
+    return any("op_class" in entry and "mem_bytes" in entry for entry in _read_profile(path)[1]["ops"].values())
+
+
+def _read_profile(path: str) -> tuple[int, dict[str, Any]]:
+    """(microbatch, the profile) of a JSON `dapple profile` wrote."""
+    try:
+        profile: dict[str, Any] = json.loads(Path(path).read_text())
+        if not isinstance(profile["ops"], dict):
+            raise TypeError("'ops' is not a table")
+        return int(profile["microbatch"]), profile
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DappleError(f"calibrate: {path} is not a profile written by `dapple profile` ({exc})") from None

@@ -48,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help=f"force the schedule: {', '.join(schedules.SCHEDULES)} or one a --pass-plugin registers",
     )
     p.add_argument("--policy", choices=POLICIES, help="force the device placement policy")
+    p.add_argument(
+        "--virtual",
+        type=int,
+        metavar="V",
+        help="virtual stages per device group (interleaved schedule); default: the planner chooses",
+    )
     p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
     p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
@@ -61,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.cluster:
         raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
+    from dapple_ir.cluster.toml_file import resolve_cluster
+
+    resolve_cluster(args.cluster)  # a malformed or unbounded cluster is refused before the model is captured
     manager = pass_manager_options(args)
     if args.schedule is not None and args.schedule not in schedules.SCHEDULES:
         raise DappleError(
@@ -83,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         profile_batch=args.profile_batch,
         max_layers=args.max_layers,
+        virtual=args.virtual,
         log=lambda m: print(m, file=sys.stderr),
         manager=manager,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, RTOL
 from dapple_ir.units import format_bytes
@@ -11,11 +12,18 @@ _EPILOG = """examples:
   dapple run plans/gpt --steps 5 --check
   dapple run plans/gpt --steps 5 --transport threads --optimizer adam --lr 1e-3
   dapple run plans/gpt --steps 2 --save ckpt && dapple run plans/gpt --steps 2 --resume ckpt
+  dapple run plans/gpt --steps 1000 --save ckpt --save-every 100   # after a fault: --resume ckpt --steps ...
   dapple run plans/gpt --steps 5 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400   # on each node
 
 Data: synthetic and seeded from the model's example inputs, unless the model file defines
 dapple_data(step, global_batch, seed) -> (inputs, targets). The measured timeline of the last step
 is written to PLAN_DIR/timeline_measured.json (Chrome trace, the simulator's format).
+
+Checkpoints: --save DIR writes DIR/step_<k>/rank_<r>.pt and then DIR/manifest.json (plan digest,
+step, world size, each file's SHA-256 and size); the manifest's atomic replacement commits a save,
+so a crash or a full disk mid-save keeps the previous checkpoint whole. --resume DIR checks all of
+it before any rank trains, then runs --steps more steps from the saved step; losses, parameters and
+the optimizer state continue bit for bit as if the run had never stopped.
 
 Random ops (dropout) draw from a generator seeded by (seed, step, microbatch, op), so the masks do
 not depend on the split and --check holds with dropout too.
@@ -54,8 +62,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--nnodes", type=int, default=1, help="nodes taking part (multi-node runs)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (multi-node runs)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: 127.0.0.1 and a free port)")
-    p.add_argument("--save", metavar="DIR", help="checkpoint every rank into DIR after the last step")
-    p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR")
+    p.add_argument(
+        "--listen-host",
+        metavar="ADDR",
+        help="address the rendezvous store and the ranks listen on (default: 127.0.0.1; with --rdzv-endpoint, "
+        "the address this machine reaches the endpoint from)",
+    )
+    p.add_argument("--save", metavar="DIR", help="checkpoint every rank into DIR after the last step (checked first)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        metavar="N",
+        help="with --save: also checkpoint after every N-th step, so a fault loses at most N steps",
+    )
+    p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (checked first)")
     p.add_argument(
         "--optimizer", choices=("sgd", "sgd-momentum", "adam", "adamw"), help="default: the plan's, else sgd"
     )
@@ -66,23 +86,30 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple_ir.backends.torch.launch import Interrupted
     from dapple_ir.backends.torch.launch import run as run_plan
 
-    result = run_plan(
-        args.plan_dir,
-        steps=args.steps,
-        check=args.check,
-        transport=args.transport,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
-        save=args.save,
-        resume=args.resume,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        timeout=args.timeout,
-        device=args.device,
-    )
+    try:
+        result = run_plan(
+            args.plan_dir,
+            steps=args.steps,
+            check=args.check,
+            transport=args.transport,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            save=args.save,
+            save_every=args.save_every,
+            resume=args.resume,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            timeout=args.timeout,
+            listen_host=args.listen_host,
+            device=args.device,
+        )
+    except Interrupted as stop:
+        print(f"dapple run: {stop}", file=sys.stderr)
+        return stop.status  # 130 for SIGINT, 143 for SIGTERM: what a shell reports for a process they ended
     print("step  loss")
     for i, loss in enumerate(result.losses):
         print(f"{result.first_step + i:>4}  {loss:.6f}")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dapple_ir.cluster.roofline import line_fit
 from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind, Link
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profiler import Timer
@@ -33,6 +34,10 @@ from dapple_ir.frontend.profiler import Timer
 _MATMUL_N = {"cpu": 1024, "cuda": 8192}
 _COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1024 * 2**20}
 _TINY_DEPTH = 16
+#: Width and batches of the fixed-part fit (`_fixed_per_call`) per device type: work enough to leave
+#: the launch-bound regime at the largest batch, weights small enough that reading them (a cost per
+#: call that the roofline already counts) stays far below the launch, well under a second in all.
+_FIT = {"cpu": (64, (1, 4, 16, 64)), "cuda": (512, (16, 64, 256, 1024))}
 #: Message sizes of the link measurement: latency from the small one, bandwidth from the large one.
 _PING_BYTES, _BULK_BYTES = 4, 16 * 2**20
 _LINK_TIMEOUT_S = 120.0
@@ -101,7 +106,10 @@ def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: in
     with _busy(neighbours, lambda k: steps[k]()):
         # Each of the 16 Linears and the sum run once forward and once backward.
         overhead = timer.time(step) / (2 * (_TINY_DEPTH + 1))
-    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=overhead)
+        # Ops with real work at growing batches: what their time keeps as the batch shrinks is the
+        # fixed part per call, the launch and (on a GPU) the floor of a kernel too small to fill it.
+        fitted = _fixed_per_call(device, kind_name, timer)
+    return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=max(overhead, fitted))
 
 
 def measure_cpu_link() -> Link:
@@ -180,6 +188,20 @@ def _tiny_step(device: Any) -> Callable[[], None]:
         layers(x).sum().backward()
 
     return step
+
+
+def _fixed_per_call(device: Any, kind_name: str, timer: Timer) -> float:
+    """The intercept per op call of a training step's time over its batch (`roofline.line_fit`): a
+    chain of `_TINY_DEPTH` Linears and a sum, stepped at the batches of `_FIT`."""
+    width, batches = _FIT[kind_name]
+    layers = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(_TINY_DEPTH)]).to(device)
+
+    def step(x: Any) -> None:
+        layers(x).sum().backward()
+
+    points = [(float(b), timer.time(partial(step, torch.randn(b, width, device=device)))) for b in batches]
+    intercept, _slope = line_fit(points)
+    return max(0.0, intercept / (2 * (_TINY_DEPTH + 1)))
 
 
 @contextmanager

@@ -72,9 +72,16 @@ def load_model_spec(
             result = factory()
     except CaptureError:
         raise
+    except SystemExit as exc:
+        raise CaptureError(f"model spec {spec}: the factory {_exited(exc)}; {_SHAPE_HINT}, it must not exit") from None
     except Exception as exc:
         raise CaptureError(f"model spec {spec}: the factory raised {type(exc).__name__}: {exc}") from exc
     return _check_result(spec, result)
+
+
+def _exited(exc: SystemExit) -> str:
+    """What a `SystemExit` says, for a message: the process would have ended, silently, with that status."""
+    return f"called sys.exit({exc.code!r}), which would end the process with no message"
 
 
 def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_costs: bool = True) -> Captured:
@@ -135,6 +142,9 @@ def _load_file(spec: str, where: str) -> Any:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[name]
+        raise CaptureError(f"model spec {spec}: importing {where} {_exited(exc)}") from None
     except Exception as exc:
         del sys.modules[name]
         raise CaptureError(f"model spec {spec}: importing {where} raised {type(exc).__name__}: {exc}") from exc
@@ -152,6 +162,8 @@ def _import(spec: str, where: str) -> Any:
             f"model spec {spec}: no module named {exc.name!r}; give a file path (model.py:factory) or a module "
             "importable from the current directory"
         ) from exc
+    except SystemExit as exc:
+        raise CaptureError(f"model spec {spec}: importing {where} {_exited(exc)}") from None
     except Exception as exc:
         raise CaptureError(f"model spec {spec}: importing {where} raised {type(exc).__name__}: {exc}") from exc
 

@@ -16,6 +16,12 @@ Times are milliseconds for one minibatch of the profile batch; sizes are bytes, 
 becomes one `layer` op whose costs describe the profile batch; edges become operands, so branches
 (residual adds, GNMT's parallel LSTM states) stay in the graph. Such a module can be planned and
 simulated, not run.
+
+The times stay as measured, at the profile batch (`cost_batch`). Whatever moves them to another
+batch (the planner for each microbatch count, `plan` for the one it chose,
+`annotate-cost{microbatch=N}`) keeps each node's fixed part, the device's per-call `op_overhead`
+(`dapple_ir.cluster.roofline.rescaled_s`), and scales only the rest: a node measured at 64
+samples is not 64 times faster at one.
 """
 
 from __future__ import annotations

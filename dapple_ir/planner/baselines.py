@@ -11,7 +11,15 @@ import math
 from collections.abc import Callable
 from functools import lru_cache
 
-from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, microbatch_choices
+from dapple_ir.planner.cost_model import (
+    Candidate,
+    Estimate,
+    Problem,
+    StageChoice,
+    candidate,
+    evaluate,
+    microbatch_choices,
+)
 
 
 def _microbatches(problem: Problem) -> list[int]:
@@ -133,6 +141,25 @@ def pipedream(problem: Problem, schedule: str = "1f1b") -> tuple[Candidate, Esti
         if cand is not None:
             options.append(cand)
     return _best(problem, options)
+
+
+def interleaved_variant(problem: Problem, base: Candidate, virtual: int) -> Candidate | None:
+    """`base`'s device groups and microbatches with `virtual` stages each (Megatron's interleaved
+    placement: the layers cut into S = P V time-balanced stages, stage k on the devices of base stage
+    k % P), or None where that is not worth a candidate: fewer than two groups (no bubble to
+    shrink), groups of unequal replica counts, M not a multiple of P R (each replica then runs
+    Megatron's order over its own M / R microbatches, `schedules.interleaved`), too few layers."""
+    p = len(base.stages)
+    m = base.microbatches
+    replicas = set(base.replicas)
+    if virtual < 2 or p < 2 or len(replicas) != 1 or m % (p * replicas.pop()):
+        return None
+    bounds = time_balanced_partition(problem, p * virtual)
+    if bounds is None:
+        return None
+    stages = tuple(StageChoice(bounds[k], bounds[k + 1], base.stages[k % p].devices) for k in range(p * virtual))
+    source = f"{base.source}+v{virtual}"
+    return Candidate(stages, m, "interleaved", base.policy, source, virtual)
 
 
 BASELINES: dict[str, Callable[[Problem], tuple[Candidate, Estimate] | None]] = {

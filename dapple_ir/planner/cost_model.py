@@ -14,10 +14,11 @@ over the stages from last to first so that dynamic programming can use the same 
     H_s    = max(AR_s, H_{s+1} - (B_s + c_s))       allreduce time not hidden by the drain
     T      = max(G_0 + max(0, H_0), floor)
 
-F, B scale with the microbatch b = global_batch / M; c_s is the transfer of the cut after s over
-the link the placement uses (intra-node only when both stages sit on one node); AR_s is the ring
-allreduce of stage s's gradients over its replica group, alone on the network
-(`Network.allreduce_s`: the ring's steps share the links they cross). `floor` is the card floor
+F, B are the stage's times for a microbatch of b = global_batch / M samples: their op calls' fixed
+part as it is, the rest scaled from `cost_batch` (`Problem.prefix_times`, `roofline.rescaled_s`);
+c_s is the transfer of the cut after s over the link the placement uses (intra-node only when both
+stages sit on one node); AR_s is the ring allreduce of stage s's gradients over its replica group,
+alone on the network (`Network.allreduce_s`: the ring's steps share the links they cross). `floor` is the card floor
 (`dapple_ir.planner.traffic`): the bytes every cut (activations and gradients, M microbatches) and
 every allreduce push through each network card per iteration, over the card's bandwidth, at the
 busiest card; the activations and allreduces that share a card add up there. With equal stages and
@@ -25,6 +26,11 @@ free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B.
 
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
+
+With V virtual stages per device group (interleaved, `Candidate.virtual`), the S = P V stages sit on
+P groups (stage k on group k % P) and the recursion runs over the groups (`_evaluate_interleaved`):
+the first microbatch crosses each group in chunks of 1/V of its work, so the bubble shrinks by V,
+while the S - 1 cuts (V times as many transfers) load the links.
 
 The formulas know the built-in schedules; any other registered schedule (`dapple_ir.schedules`, one a
 plugin adds) is estimated like 1f1b, and the simulator, which lowers the real schedule, ranks it.
@@ -37,11 +43,13 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.cluster.roofline import fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
-from dapple_ir.ir import Module
+from dapple_ir.ir import InstrKind, Module
 from dapple_ir.planner.traffic import busiest, cut_crossings, ring_crossings, ring_step_bytes
+from dapple_ir.schedules import ScheduleRequest, build_schedule
 
 #: The device placement policies (see `place`).
 POLICIES = ("append-first", "fresh-first", "scatter-first")
@@ -73,6 +81,11 @@ class Problem:
     batch: int
     names: list[str] = field(default_factory=list)
     """Layer names, for reports."""
+    fwd_fixed_s: list[float] = field(default_factory=list)
+    """The part of each layer's forward time that does not shrink with the microbatch (its op
+    calls' fixed cost, `roofline.fixed_s`); empty: none."""
+    bwd_fixed_s: list[float] = field(default_factory=list)
+    """The same for the backward."""
     network: Network = field(init=False, repr=False, compare=False)
     """The cluster's links (built from `cluster`)."""
 
@@ -80,6 +93,9 @@ class Problem:
         self.network = Network(self.cluster)
         self.pf = [0.0, *accumulate(self.fwd_s)]
         self.pb = [0.0, *accumulate(self.bwd_s)]
+        self.pff = [0.0, *accumulate(self.fwd_fixed_s or [0.0] * len(self.fwd_s))]
+        self.pbf = [0.0, *accumulate(self.bwd_fixed_s or [0.0] * len(self.bwd_s))]
+        self._times: dict[int, tuple[list[float], list[float]]] = {}
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -92,8 +108,21 @@ class Problem:
         return self.global_batch // microbatches
 
     def time_scale(self, microbatches: int) -> float:
-        """Factor from costs at `cost_batch` to one microbatch."""
+        """Factor from costs at `cost_batch` to one microbatch (of the variable part of a time)."""
         return self.microbatch_size(microbatches) / self.cost_batch
+
+    def prefix_times(self, microbatches: int) -> tuple[list[float], list[float]]:
+        """Prefix sums of the layers' forward and backward times for one microbatch of M: the fixed
+        parts as they are, the rest scaled from `cost_batch` (`roofline.rescaled_s`, per layer)."""
+        found = self._times.get(microbatches)
+        if found is None:
+            k = self.time_scale(microbatches)
+            found = (
+                [fixed + (t - fixed) * k for t, fixed in zip(self.pf, self.pff, strict=True)],
+                [fixed + (t - fixed) * k for t, fixed in zip(self.pb, self.pbf, strict=True)],
+            )
+            self._times[microbatches] = found
+        return found
 
     def capacity(self, device: int) -> float:
         return self.cluster.device(device).memory_bytes
@@ -115,6 +144,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         static.append(params * factor + buffers)
         grads.append(params)
     batch = module.attrs.batch or module.attrs.cost_batch or 1
+    kind = cluster.device(0)
     return Problem(
         fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
         bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
@@ -127,6 +157,8 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         cost_batch=module.attrs.cost_batch or batch,
         batch=batch,
         names=[layer.name for layer in module.layers],
+        fwd_fixed_s=[sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
+        bwd_fixed_s=[sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
     )
 
 
@@ -153,10 +185,18 @@ class Candidate:
     policy: str = "append-first"
     source: str = ""
     """Who proposed it (`dp`, `ilp`, `baseline:uniform`, ...), for reports."""
+    virtual: int = 1
+    """Virtual stages per device group (interleaved): stage k sits on the devices of stage k % P,
+    P = len(stages) / virtual (Megatron's interleaved placement)."""
 
     @property
     def replicas(self) -> tuple[int, ...]:
         return tuple(s.replicas for s in self.stages)
+
+    @property
+    def groups(self) -> int:
+        """Device groups P: the stages that do not share devices."""
+        return len(self.stages) // self.virtual
 
     @property
     def pipelines(self) -> int:
@@ -165,7 +205,8 @@ class Candidate:
 
     def describe(self) -> str:
         cuts = "|".join(f"{s.lo}-{s.hi - 1}x{s.replicas}" for s in self.stages)
-        return f"S={len(self.stages)} M={self.microbatches} {self.schedule} {self.policy} layers[{cuts}]"
+        virtual = f" V={self.virtual}" if self.virtual > 1 else ""
+        return f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy} layers[{cuts}]"
 
 
 @dataclass(frozen=True)
@@ -231,8 +272,10 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     m = cand.microbatches
     if m < 1 or problem.global_batch % m:
         raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
+    if cand.virtual > 1:
+        return _evaluate_interleaved(problem, cand)
     b = problem.microbatch_size(m)
-    scale = problem.time_scale(m)
+    pf, pb = problem.prefix_times(m)
     share = _PATH_SHARE.get(cand.schedule, 1.0)
     n = len(cand.stages)
     g, h = -math.inf, -math.inf
@@ -241,8 +284,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     loads: dict[int, float] = {}
     for s in range(n - 1, -1, -1):
         st = cand.stages[s]
-        fwd = (problem.pf[st.hi] - problem.pf[st.lo]) * scale
-        bwd = (problem.pb[st.hi] - problem.pb[st.lo]) * scale
+        fwd = pf[st.hi] - pf[st.lo]
+        bwd = pb[st.hi] - pb[st.lo]
         per_replica = -(-m // st.replicas)
         busy = per_replica * (fwd + bwd)
         c = 0.0
@@ -266,6 +309,82 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     return Estimate(
         max(g + tail, floor), g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)), floor, name, seconds
     )
+
+
+def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
+    """`evaluate` for V > 1 virtual stages per device group (Megatron's interleaved 1F1B).
+
+    The recursion runs over the P device groups: group g does w_g = the forward and backward of its V
+    stages per microbatch, and a microbatch's path crosses it in chunks of w_g / V, so with equal
+    groups G_0 = M w + (P - 1) w / V (the bubble shrinks by V). c_g is the mean transfer of the V cuts
+    from group g to g + 1; every one of the S - 1 cuts (V - 1 of them wrap from the last group back to
+    the first) loads the links and counts toward the card floor. A device holds its V stages'
+    parameters and, at the interleaved order's peak, the activations of the chunks in flight
+    (`interleaved_held`)."""
+    m, p, n = cand.microbatches, cand.groups, len(cand.stages)
+    b = problem.microbatch_size(m)
+    pf, pb = problem.prefix_times(m)
+    network = problem.network
+    loads: dict[int, float] = {}
+    work, bwd, static, cut_s = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+    act = [(problem.pa[st.hi] - problem.pa[st.lo]) * b / problem.cost_batch for st in cand.stages]
+    for k, st in enumerate(cand.stages):
+        g = k % p
+        work[g] += pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo]
+        bwd[g] += pb[st.hi] - pb[st.lo]
+        static[g] += problem.ps[st.hi] - problem.ps[st.lo]
+        stage_grads = problem.pg[st.hi] - problem.pg[st.lo]
+        _add(loads, ring_crossings(network, st.devices), ring_step_bytes(stage_grads, st.replicas))
+        if k == n - 1:
+            continue
+        nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
+        after = cand.stages[k + 1].devices
+        _add(loads, cut_crossings(network, st.devices, after, m), nbytes)
+        cut_s[g] += cut_link(problem.cluster, st.devices, after).transfer_s(nbytes) / (cand.virtual - (g == p - 1))
+    # Between rounds a group waits for its first microbatch to come round the whole ring of groups.
+    ring_s = (cand.virtual - 1) * 2 * sum(cut_s)
+    cut_s[p - 1] = 0.0
+    held = interleaved_held(cand, act)
+    g_time, h = -math.inf, -math.inf
+    busies = [0.0] * p
+    # The order moves in rounds: every group runs chunk c of P microbatches before chunk c + 1. With
+    # uneven chunks a round waits for its slowest chunk (the lockstep bound, `rounds`), though the 1F1B
+    # phase lets a group run ahead by a round or so: the pace lies between the busiest group's sum and
+    # that bound, and the simulated profiles sit near the middle.
+    chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] for st in cand.stages]
+    rounds = (max(work) + sum(max(chunk[c * p : (c + 1) * p]) for c in range(cand.virtual))) / 2
+    for g in range(p - 1, -1, -1):
+        devices = cand.stages[g].devices
+        busies[g] = -(-m // len(devices)) * max(work[g], rounds)
+        g_time = max(busies[g], work[g] / cand.virtual + 2 * cut_s[g] + g_time)
+        ar = sum(network.allreduce_s(problem.pg[s.hi] - problem.pg[s.lo], s.devices) for s in cand.stages[g::p])
+        h = max(ar, h - (bwd[g] / cand.virtual + cut_s[g]))
+    peaks = tuple(static[k % p] + held[k % p] for k in range(n))
+    caps = tuple(min(problem.capacity(d) for d in st.devices) for st in cand.stages)
+    tail = max(0.0, h)
+    _card, floor = busiest(network, loads, network.card_links)
+    link, seconds = busiest(network, loads)
+    name = network.links[link].name if link >= 0 else ""
+    g_time += ring_s
+    return Estimate(
+        max(g_time + tail, floor), g_time, tail, peaks, caps, busies.index(max(busies)), floor, name, seconds
+    )
+
+
+def interleaved_held(cand: Candidate, act: list[float]) -> list[float]:
+    """Per device group, the most activation bytes a replica holds at once under the interleaved
+    order: forwards done whose backward has not run yet, each stage's at its own size (`act`, one
+    microbatch). The busiest replica of a group (replica 0) runs the order restricted to its share."""
+    request = ScheduleRequest(cand.replicas, cand.microbatches, cand.virtual)
+    orders = build_schedule("interleaved", request)
+    held = []
+    for g in range(cand.groups):
+        live, peak = 0.0, 0.0
+        for work in orders[(g, 0)]:
+            live += act[work.stage] if work.kind is InstrKind.FORWARD else -act[work.stage]
+            peak = max(peak, live)
+        held.append(peak)
+    return held
 
 
 def _add(loads: dict[int, float], crossings: dict[int, int], nbytes: float) -> None:

@@ -101,12 +101,12 @@ def solve(
     order = device_order(cluster, policy)
     node = [cluster.node_of(d) for d in order]
     b = problem.microbatch_size(microbatches)
-    scale = problem.time_scale(microbatches)
     share = _PATH_SHARE.get(schedule, 1.0)
     cut_scale = b / problem.batch
     replicas = choices or replica_choices(cluster)
     limit = stages or max_stages or layers
-    pf, pb, pa, ps, pg = problem.pf, problem.pb, problem.pa, problem.ps, problem.pg
+    pf, pb = problem.prefix_times(microbatches)  # this microbatch's times, fixed parts included
+    pa, ps, pg = problem.pa, problem.ps, problem.pg
     act_scale = b / problem.cost_batch
     capacity = [problem.capacity(x) for x in range(total)]
 
@@ -201,7 +201,7 @@ def solve(
             per = -(-microbatches // r)
             ring_factor = ring_step_bytes(1.0, r)
             for j, (f_sum, b_sum, static, a_sum, grads) in enumerate(spans, start=i + 1):
-                fwd, bwd = f_sum * scale, b_sum * scale
+                fwd, bwd = f_sum, b_sum
                 busy = per * (fwd + bwd)
                 if static > cap or busy > bound:
                     break

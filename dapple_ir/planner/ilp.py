@@ -86,12 +86,12 @@ def solve_ilp(
         return None
     m = microbatches
     b = problem.microbatch_size(m)
-    scale = problem.time_scale(m)
-    total = (problem.pf[-1] + problem.pb[-1]) * scale * m + 1e-9
+    times_f, times_b = problem.prefix_times(m)
+    total = (times_f[-1] + times_b[-1]) * m + 1e-9
     unit = total / 1e8
     share_num = round(_PATH_SHARE.get(schedule, 1.0) * 4)
-    pf = _ints([v * scale for v in problem.pf], unit)
-    pb = _ints([v * scale for v in problem.pb], unit)
+    pf = _ints(times_f, unit)
+    pb = _ints(times_b, unit)
     pa = _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT)
     ps = _ints(problem.ps, _MEMORY_UNIT)
     pg = [round(v) for v in problem.pg]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from dapple_ir.cluster.spec import ClusterSpec, parse_shorthand
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Stage, StageAttrs
-from dapple_ir.planner.baselines import all_baselines
+from dapple_ir.planner.baselines import all_baselines, interleaved_variant, time_balanced_partition
 from dapple_ir.planner.cost_model import (
     POLICIES,
     Candidate,
@@ -34,6 +34,15 @@ METHODS = ("auto", "dp", "ilp")
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
 
+#: The most virtual stages per device group an interleaved request without `virtual` tries.
+MAX_VIRTUAL = 4
+
+#: Card links up to which small instances search uncapped Pareto fronts (DAPPLE's 2x8 servers have 4).
+EXACT_FRONT_CARDS = 8
+
+#: Virtual stage counts `auto` (no schedule asked for) tries on its best 1f1b plans.
+AUTO_VIRTUAL = (2, 4)
+
 Score = Callable[[Problem, Candidate], tuple[float, float]]
 """Scores a candidate of a problem: (iteration seconds, worst peak bytes), as the simulator predicts
 them. It takes the problem because the memory advice plans the same model on other clusters."""
@@ -52,6 +61,8 @@ class Request:
     policy: str | None = None
     """One of `POLICIES`."""
     ilp_time_limit_s: float = 10.0
+    virtual: int | None = None
+    """Virtual stages per device group (interleaved); None lets an interleaved request choose."""
 
 
 @dataclass
@@ -81,6 +92,18 @@ def validate(problem: Problem, req: Request) -> None:
         raise PlanError(f"schedule must be auto or one of {', '.join(SCHEDULES)}, not '{req.schedule}'")
     if req.policy is not None and req.policy not in POLICIES:
         raise PlanError(f"policy must be auto or one of {', '.join(POLICIES)}, not '{req.policy}'")
+    if req.virtual is not None and req.virtual < 1:
+        raise PlanError(f"virtual must be auto or a positive integer, not {req.virtual}")
+    if req.virtual is not None and req.virtual > 1 and req.schedule not in (None, "interleaved"):
+        raise PlanError(
+            f"virtual={req.virtual} puts several stages on each device group, which only the interleaved "
+            f"schedule runs; ask for schedule interleaved (or leave it to the planner), not '{req.schedule}'"
+        )
+    if req.virtual is not None and req.stages is not None and req.stages % req.virtual:
+        raise PlanError(
+            f"{req.stages} stages do not split into device groups of virtual={req.virtual} stages each; "
+            f"ask for a multiple of {req.virtual} stages"
+        )
     for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
         if count is not None and count < 1:
             raise PlanError(f"{what} must be auto or a positive integer, not {count}")
@@ -90,10 +113,15 @@ def validate(problem: Problem, req: Request) -> None:
             "every layer has zero forward and backward time: the module has no costs to plan with "
             "(run 'annotate-cost' first, or check the profile's forward_compute_time/backward_compute_time)"
         )
-    if req.stages is not None and req.stages > cluster.num_devices:
+    per_group = max(_virtual_choices(problem, req), default=1)
+    if req.stages is not None and req.stages > cluster.num_devices * per_group:
         raise PlanError(
             f"{req.stages} stages were requested but cluster {cluster.name} has only {cluster.num_devices} devices "
-            "(each stage needs at least one)"
+            + (
+                f"(each device group holds at most {per_group} virtual stages)"
+                if per_group > 1
+                else "(each stage needs at least one; interleaved virtual stages may share them)"
+            )
         )
     if req.stages is not None and req.stages > problem.layers:
         raise PlanError(
@@ -115,9 +143,61 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
     the PlanError carries the memory advice (`memory_advice`) unless `advise` is false.
     """
     validate(problem, req)
+    schedule = req.schedule or "1f1b"
+    virtuals = _virtual_choices(problem, req)
+    if not virtuals:
+        pool = _gather(problem, req, schedule)
+    else:
+        # Device groups as the 1f1b search finds them, each cut into V stages per group.
+        schedule = "1f1b"
+        pool = []
+        bases: dict[int | None, list[Scored]] = {}
+        for v in virtuals:
+            groups = req.stages // v if req.stages else None
+            if groups not in bases:
+                base_req = dataclasses.replace(req, schedule="1f1b", stages=groups)
+                bases[groups] = _gather(problem, base_req, "1f1b") + _even_groups(problem, base_req)
+            pool += _interleaved(problem, bases[groups], v)
+    pool = _unique(pool)
+    fitting = sorted((s for s in pool if s.estimate.fits), key=lambda s: s.estimate.iteration_s)
+    if not fitting:
+        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
+    # The best few by the model, and every baseline, so that the plan shown is never slower in the
+    # simulator than a rule a user could apply by hand.
+    head = [s for k, s in enumerate(fitting) if k < SIMULATED or s.cand.source.startswith("baseline:")]
+    tail = [s for s in fitting if s not in head]
+    if score is not None and req.schedule is None:
+        head += _schedule_variants(problem, fitting[:2], interleave=req.stages is None and req.virtual != 1)
+    if score is not None:
+        _score_best(problem, head, score)
+    cap = problem.capacity(0)
+    for s in head:
+        if s.simulated_peak is not None and s.simulated_peak > cap:
+            s.note = f"simulated peak {s.simulated_peak / 1e9:.1f} GB exceeds {cap / 1e9:.1f} GB"
+    over = [s for s in head if s.note.startswith("simulated peak")]
+    # Simulated times first (the number the user is shown), then the unsimulated by the model.
+    timed = sorted((s for s in head if s not in over and s.simulated_s is not None), key=lambda s: s.time_s)
+    untimed = sorted((s for s in head if s not in over and s.simulated_s is None), key=lambda s: s.time_s)
+    if score is not None and over and not timed and not untimed:
+        # Every simulated candidate overflows once lowered (the cost model counts less than a rank
+        # program holds): simulate more until one fits, so that `verify` accepts the plan chosen.
+        timed, more_over = _first_accepted(problem, _leanest(problem, req, schedule), tail, score, cap)
+        tail = [s for s in tail if s not in timed and s not in more_over]
+        over += more_over
+    ranked = timed + untimed + tail
+    if not ranked:
+        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
+    ranked += over
+    chosen = ranked[0]
+    rejected = [s for s in pool if not s.estimate.fits]
+    return Outcome(chosen, ranked + rejected, explain_lines(problem, chosen, ranked, rejected))
+
+
+def _gather(problem: Problem, req: Request, schedule: str) -> list[Scored]:
+    """Every candidate the DP, the ILP, the baselines and (when nothing fits) the memory-first
+    search propose for `req` under `schedule`, each with its cost-model estimate."""
     cluster = problem.cluster
     ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, cluster.num_devices)
-    schedule = req.schedule or "1f1b"
     policies = [req.policy] if req.policy else policies_for(cluster, POLICIES)
     pool: list[Scored] = []
     if req.stages is None and req.microbatches is None and req.policy is None:
@@ -126,8 +206,11 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
             pool.append(Scored(cand, evaluate(problem, cand)))
     bound = min((s.estimate.iteration_s for s in pool if s.estimate.fits), default=math.inf)
     if req.method in ("dp", "auto"):
-        # Small instances get uncapped Pareto fronts: the DP is then exact for the cost model.
-        front = None if problem.layers * cluster.num_devices <= 128 else 3
+        # Small instances get uncapped Pareto fronts: the DP is then exact for the cost model. Not
+        # with many network cards: a front over every card's load grows too large to search (with
+        # per-call fixed costs, 8 layers on 16 one-device nodes took 35 s uncapped, 0.1 s capped).
+        small = problem.layers * cluster.num_devices <= 128 and len(problem.network.card_links) <= EXACT_FRONT_CARDS
+        front = None if small else 3
         for cand, est in plan_dp(
             problem,
             microbatches=ms,
@@ -164,49 +247,65 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
             pool.append(Scored(cand, est))
     if not any(s.estimate.fits for s in pool):
         pool += _leanest(problem, req, schedule)
-    pool = _unique(pool)
-    fitting = sorted((s for s in pool if s.estimate.fits), key=lambda s: s.estimate.iteration_s)
-    if not fitting:
-        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
-    # The best few by the model, and every baseline, so that the plan shown is never slower in the
-    # simulator than a rule a user could apply by hand.
-    head = [s for k, s in enumerate(fitting) if k < SIMULATED or s.cand.source.startswith("baseline:")]
-    tail = [s for s in fitting if s not in head]
-    if score is not None and req.schedule is None:
-        head += _schedule_variants(problem, fitting[:2])
-    if score is not None:
-        _score_best(problem, head, score)
-    cap = problem.capacity(0)
-    for s in head:
-        if s.simulated_peak is not None and s.simulated_peak > cap:
-            s.note = f"simulated peak {s.simulated_peak / 1e9:.1f} GB exceeds {cap / 1e9:.1f} GB"
-    over = [s for s in head if s.note.startswith("simulated peak")]
-    # Simulated times first (the number the user is shown), then the unsimulated by the model.
-    timed = sorted((s for s in head if s not in over and s.simulated_s is not None), key=lambda s: s.time_s)
-    untimed = sorted((s for s in head if s not in over and s.simulated_s is None), key=lambda s: s.time_s)
-    if score is not None and over and not timed and not untimed:
-        # Every simulated candidate overflows once lowered (the cost model counts less than a rank
-        # program holds): simulate more until one fits, so that `verify` accepts the plan chosen.
-        timed, more_over = _first_accepted(problem, _leanest(problem, req, schedule), tail, score, cap)
-        tail = [s for s in tail if s not in timed and s not in more_over]
-        over += more_over
-    ranked = timed + untimed + tail
-    if not ranked:
-        raise PlanError(no_fit_message(problem, pool, req, score if advise else None, advise=advise))
-    ranked += over
-    chosen = ranked[0]
-    rejected = [s for s in pool if not s.estimate.fits]
-    return Outcome(chosen, ranked + rejected, explain_lines(problem, chosen, ranked, rejected))
+    return pool
 
 
-def _schedule_variants(problem: Problem, best: list[Scored]) -> list[Scored]:
-    """The best 1f1b plans again under zb-h1 (weight gradients fill bubbles) and gpipe (no early
-    backward: fewer waits between unevenly replicated stages, more memory), where they fit; the
-    simulator tells which order of the same work runs fastest."""
+def _virtual_choices(problem: Problem, req: Request) -> list[int]:
+    """The virtual stage counts to plan with: the one asked for, else for an interleaved request
+    2 to `MAX_VIRTUAL` (dividing the stage count when it is forced); empty without virtual stages."""
+    if req.virtual is not None:
+        return [req.virtual] if req.virtual > 1 else []
+    if req.schedule != "interleaved":
+        return []
+    return [v for v in range(2, MAX_VIRTUAL + 1) if (req.stages or v) % v == 0 and v <= problem.layers]
+
+
+def _even_groups(problem: Problem, req: Request) -> list[Scored]:
+    """Pipelines of P equal device groups (every P dividing the devices, or the P asked for), each
+    microbatch count the request allows: the device groupings interleaving is made for, which the
+    1f1b search may not list when its best plans have group counts the microbatches do not divide."""
+    n = problem.cluster.num_devices
+    ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, n)
+    found = []
+    for p in [req.stages] if req.stages else [p for p in range(1, n + 1) if n % p == 0]:
+        bounds = time_balanced_partition(problem, p)
+        if bounds is None or n % p:
+            continue
+        for m in ms:
+            cand = candidate(problem, bounds, [n // p] * p, m, "1f1b", req.policy or "append-first", "even-groups")
+            if cand is not None:
+                found.append(Scored(cand, evaluate(problem, cand)))
+    return found
+
+
+def _interleaved(problem: Problem, bases: list[Scored], *virtuals: int) -> list[Scored]:
+    """The interleaved variants (`baselines.interleaved_variant`) of every distinct device grouping
+    and microbatch count among `bases`, with each of `virtuals` stages per group."""
+    seen, found = set(), []
+    for s in bases:
+        key = (tuple(st.devices for st in s.cand.stages), s.cand.microbatches)
+        if key in seen:
+            continue
+        seen.add(key)
+        for virtual in virtuals:
+            cand = interleaved_variant(problem, s.cand, virtual)
+            if cand is not None:
+                found.append(Scored(cand, evaluate(problem, cand)))
+    return found
+
+
+def _schedule_variants(problem: Problem, best: list[Scored], *, interleave: bool = True) -> list[Scored]:
+    """The best 1f1b plans again under zb-h1 (weight gradients fill bubbles), gpipe (no early
+    backward: fewer waits between unevenly replicated stages, more memory) and interleaved with
+    `AUTO_VIRTUAL` stages per device group (a bubble V times smaller, V times the transfers; not with
+    `interleave` false, when the stage count is forced), where they fit; the simulator tells which
+    order of the same work runs fastest."""
     variants = []
     for s in best:
         if s.cand.schedule != "1f1b":
             continue
+        if interleave:
+            variants += [v for v in _interleaved(problem, [s], *AUTO_VIRTUAL) if v.estimate.fits]
         for schedule in ("zb-h1", "gpipe"):
             cand = dataclasses.replace(s.cand, schedule=schedule, source=f"{s.cand.source}+{schedule}")
             estimate = evaluate(problem, cand)
@@ -263,7 +362,7 @@ def _lowers_alike(a: Candidate, b: Candidate) -> bool:
     their simulations agree: the same stages and microbatches, and either schedules that order
     every replica's work the same way, or one stage whose replicas get equal shares of the
     microbatches on the same set of devices (the order of the devices then only renames ranks)."""
-    if a.microbatches != b.microbatches or len(a.stages) != len(b.stages):
+    if a.microbatches != b.microbatches or len(a.stages) != len(b.stages) or a.virtual != b.virtual:
         return False
     if a.stages != b.stages:
         if len(a.stages) != 1 or a.microbatches % a.stages[0].replicas:
@@ -508,6 +607,7 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
             else "  -"
         )
         sim = f"{s.simulated_s * 1e3:10.3f}" if s.simulated_s is not None else f"{'-':>10}"
+        schedule = f"{c.schedule}/v{c.virtual}" if c.virtual > 1 else c.schedule
         if s is chosen:
             verdict = "CHOSEN"
         elif s.note.startswith("simulated peak"):
@@ -526,7 +626,7 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
                 verdict += f" ({s.note})"
         lines.append(
             f"{k:>3}  {c.source:<28} {len(c.stages):>3} {reps:<18} {c.pipelines:>3} {c.policy:<13} "
-            f"{c.microbatches:>4} {c.schedule:<8} {e.iteration_s * 1e3:10.3f} {sim} {e.peak_bytes / gb:8.2f} "
+            f"{c.microbatches:>4} {schedule:<8} {e.iteration_s * 1e3:10.3f} {sim} {e.peak_bytes / gb:8.2f} "
             f"{link:<16} {share}  {verdict}"
         )
     cuts = ", ".join(

@@ -35,8 +35,9 @@ links and memory are ideal: every transfer, allreduce and optimizer step takes z
 
 Memory per rank: static bytes (parameters, gradients, optimizer state of the hosted stages) plus
 the saved activations of each forward until its `free @stage mb`, the gradients a `backward_input`
-keeps for its `backward_weight` until the same free, and each received tensor from its `recv` until
-its `free` (`peak_memory.memory_changes`). Memory changes when an instruction starts, so the
+keeps for its `backward_weight` until the same free, and each received tensor from the instruction its
+receive is posted before (its `recv`, or earlier: `peak_memory.recv_posts`) until its `free`
+(`peak_memory.memory_changes`). Memory changes when an instruction starts, so the
 per-rank peak equals the peak over instruction order that `insert-frees` computes statically.
 
 The engine runs ranks in global time order: a rank computes ahead on its own until it reaches a

@@ -1,0 +1,180 @@
+"""A microbatch's cost has a fixed part: every op call pays the device's `op_overhead` (launch, and the
+floor of a kernel too small to fill the device) whatever its size, and only the rest scales.
+
+The oracles: the affine curve in closed form; the planner's estimate and the simulator against a sum
+over the ops computed here; the plan a profile gets once one-sample microbatches cost what they do;
+and a calibration that recovers a fixed cost planted in synthetic timings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+from dapple_ir.cluster.roofline import fixed_s, rescaled_s
+from dapple_ir.cluster.spec import PRESETS, DeviceKind
+from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.commands.calibrate import fit_fixed_s
+from dapple_ir.errors import DappleError
+from dapple_ir.frontend.profile_import import import_profile
+from dapple_ir.ir import Module
+from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.passes.plan import lower_and_simulate
+from dapple_ir.planner.cost_model import Candidate, StageChoice, evaluate, problem_from_module
+from dapple_ir.registry import PassContext
+from dapple_ir.sim.simulator import simulate
+from tests.paths import PROFILES
+
+KIND = DeviceKind("toy", 1e9, {"f32": 1e12}, 1e11, op_overhead=1e-4)
+VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
+
+
+def test_the_cost_curve_is_affine_with_a_fixed_part_per_call() -> None:
+    t = 1e-3  # seconds at 8 samples
+    assert fixed_s(t, KIND) == 1e-4 and fixed_s(5e-5, KIND) == 5e-5 and fixed_s(0.0, KIND) == 0.0
+    assert rescaled_s(t, 8, 2, KIND) == pytest.approx(1e-4 + 9e-4 * 2 / 8)
+    assert rescaled_s(t, 8, 32, KIND) == pytest.approx(1e-4 + 9e-4 * 4)
+    # Moving through another size changes nothing: one line through (8, t).
+    assert rescaled_s(rescaled_s(t, 8, 3, KIND), 3, 5, KIND) == pytest.approx(rescaled_s(t, 8, 5, KIND))
+    # Efficiency (variable part over the whole) is one half where the variable part equals the fixed:
+    # 9e-4 / 8 per sample, so at 8 / 9 of a sample.
+    half = 8 * 1e-4 / 9e-4
+    assert rescaled_s(t, 8, half, KIND) == pytest.approx(2 * 1e-4)
+    # A call cheaper than the fixed part is all fixed; without a fixed part, the old linear rule.
+    assert rescaled_s(5e-5, 8, 1, KIND) == 5e-5
+    assert rescaled_s(t, 8, 2, DeviceKind("free", 1e9, {"f32": 1e12}, 1e11)) == pytest.approx(t / 4)
+
+
+def test_every_gpu_preset_has_a_fixed_part() -> None:
+    for name in ("V100-16GB", "V100-32GB", "A100-40GB", "A100-80GB", "H100", "H200", "cpu"):
+        assert 1e-6 <= PRESETS[name].op_overhead <= 1e-4, name
+
+
+def _chain(tmp_path: Path, profile_batch: int = 8) -> Module:
+    """A four-op chain profile at `profile_batch` samples: forward 1, 2, 0.01 and 3 ms, backward twice."""
+    forward_ms = [1.0, 2.0, 0.01, 3.0]
+    lines = [
+        f"node{k} -- L{k} -- forward_compute_time={f}, backward_compute_time={2 * f}, activation_size=1000.0, "
+        "parameter_size=1000.0"
+        for k, f in enumerate(forward_ms)
+    ]
+    lines += [f"\tnode{k} -- node{k + 1}" for k in range(len(forward_ms) - 1)]
+    path = tmp_path / f"chain-pbs-{profile_batch}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    module = import_profile(str(path))
+    PassManager(build_pipeline("coarsen")).run(module)
+    return module
+
+
+@pytest.mark.parametrize("microbatches", [1, 4, 64])
+def test_estimate_and_simulator_both_keep_the_fixed_part(tmp_path: Path, microbatches: int) -> None:
+    module = _chain(tmp_path)
+    cluster = resolve_cluster("1xV100-16GB")
+    call = cluster.device(0).op_overhead
+    problem = problem_from_module(module, cluster, 64)
+    cand = Candidate((StageChoice(0, problem.layers, (0,)),), microbatches)
+    b = 64 // microbatches
+    # By hand: per op and direction, the fixed part once per microbatch plus the per-sample rest.
+    per_microbatch = 0.0
+    for op in module.ops:
+        for t in (op.attrs.fwd_s or 0.0, op.attrs.bwd_s or 0.0):
+            fixed = min(t, call)
+            per_microbatch += fixed + (t - fixed) * b / 8
+    compute = microbatches * per_microbatch
+    assert evaluate(problem, cand).iteration_s == pytest.approx(compute, rel=1e-9)
+    simulated, _peak = lower_and_simulate(module, problem, cand)
+    # The simulator adds the optimizer step (4 kB of parameters streamed once: nanoseconds).
+    assert simulated == pytest.approx(compute, rel=1e-4)
+    # Against the linear rule (8 profile batches' worth of time): the fixed part is paid M times
+    # rather than 8, so 64 one-sample microbatches cost 56 more of it, one microbatch of 64 7 fewer.
+    linear = sum((op.attrs.fwd_s or 0.0) + (op.attrs.bwd_s or 0.0) for op in module.ops) * 64 / 8
+    calls = [t for op in module.ops for t in (op.attrs.fwd_s or 0.0, op.attrs.bwd_s or 0.0) if t > 0]
+    assert len(calls) == 8
+    fixed_sum = sum(min(t, call) for t in calls)
+    assert compute - linear == pytest.approx((microbatches - 8) * fixed_sum, rel=1e-9, abs=1e-15)
+
+
+def test_the_plan_carries_costs_at_its_microbatch_so_simulate_agrees(tmp_path: Path) -> None:
+    module = _chain(tmp_path)
+    module.attrs.global_batch = 64
+    ctx = PassContext(cluster="2xV100-16GB")
+    PassManager(build_pipeline("plan{microbatches=16},schedule,lower-comm,insert-frees")).run(module, ctx)
+    assert module.attrs.cost_batch == module.attrs.microbatch_size == 4
+    first = module.ops[0].attrs.fwd_s
+    assert first == pytest.approx(rescaled_s(1e-3, 8, 4, PRESETS["V100-16GB"]))
+    assert module.attrs.predicted_iteration_s == pytest.approx(simulate(module).iteration_s, rel=1e-9)
+
+
+def test_profile_rescale_keeps_the_fixed_part_where_the_device_is_known(tmp_path: Path) -> None:
+    known = _chain(tmp_path)
+    ctx = PassContext(cluster="1xV100-16GB")
+    PassManager(build_pipeline("annotate-cost{microbatch=2}")).run(known, ctx)
+    call = PRESETS["V100-16GB"].op_overhead
+    assert known.ops[0].attrs.fwd_s == pytest.approx(call + (1e-3 - call) * 2 / 8)
+    assert known.ops[2].attrs.fwd_s == pytest.approx(1e-5)  # cheaper than a call: all fixed
+    assert known.attrs.cost_batch == 2
+    unknown = _chain(tmp_path)
+    PassManager(build_pipeline("annotate-cost{microbatch=2}")).run(unknown, PassContext())
+    assert unknown.ops[0].attrs.fwd_s == pytest.approx(1e-3 * 2 / 8)  # no device: the linear rule
+
+
+def test_vgg19_no_longer_plans_one_sample_microbatches() -> None:
+    # DAPPLE's VGG-19 profile on its 2x8 V100 servers, global batch 2048: priced linearly, 2048
+    # microbatches of one sample looked free (each stage's bubble shrinks with the microbatch).
+    module = import_profile(str(VGG19))
+    module.attrs.global_batch = 2048
+    ctx = PassContext(cluster="2x8xV100-16GB")
+    PassManager(build_pipeline("coarsen")).run(module, ctx)
+    before = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), 2048)
+    PassManager(build_pipeline("plan")).run(module, ctx)
+    chosen_b = module.attrs.microbatch_size
+    assert chosen_b is not None and chosen_b > 1
+    chosen_s = module.attrs.predicted_iteration_s
+    assert chosen_s is not None
+    # The same stages with one-sample microbatches, simulated with their fixed parts, are slower.
+    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
+    spans = [sorted(layer_of[op] for op in stage.ops) for stage in module.stages]
+    stages = tuple(
+        StageChoice(span[0], span[-1] + 1, tuple(stage.attrs.devices or ()))
+        for span, stage in zip(spans, module.stages, strict=True)
+    )
+    fresh = import_profile(str(VGG19))
+    PassManager(build_pipeline("coarsen")).run(fresh, PassContext(cluster="2x8xV100-16GB"))
+    one_sample = Candidate(stages, 2048, module.attrs.schedule or "1f1b")
+    slower, _peak = lower_and_simulate(fresh, before, one_sample)
+    assert slower > chosen_s
+
+
+def _profile_json(path: Path, batch: int, fixed: float, per_sample: dict[str, float]) -> None:
+    ops = {
+        name: {"fwd_s": fixed + k * batch, "bwd_s": fixed + 2 * k * batch, "act_bytes": 1.0}
+        for name, k in per_sample.items()
+    }
+    ops["x"] = {"fwd_s": 0.0, "bwd_s": 0.0}  # an input: no call to count
+    path.write_text(json.dumps({"model": "toy", "device": "toy", "microbatch": batch, "ops": ops}))
+
+
+def test_calibration_recovers_a_planted_fixed_cost(tmp_path: Path) -> None:
+    per_sample = {"a": 1e-5, "b": 3e-4, "c": 2e-6}
+    paths = []
+    for batch in (2, 8, 32):
+        path = tmp_path / f"profile-{batch}.json"
+        _profile_json(path, batch, 4e-5, per_sample)
+        paths.append(str(path))
+    assert fit_fixed_s(paths) == pytest.approx(4e-5, rel=1e-9)
+    assert fit_fixed_s(paths[:2]) == pytest.approx(4e-5, rel=1e-9)
+    # Through the command: the cluster it writes carries the fitted fixed part.
+    out = tmp_path / "cluster.toml"
+    assert main(["calibrate", "--devices", "1", "--fit", *paths, "-o", str(out)]) == 0
+    assert resolve_cluster(str(out)).device(0).op_overhead == pytest.approx(4e-5, rel=1e-6)
+
+
+def test_calibration_needs_two_microbatch_sizes(tmp_path: Path) -> None:
+    one, same = tmp_path / "one.json", tmp_path / "same.json"
+    _profile_json(one, 4, 1e-5, {"a": 1e-5})
+    _profile_json(same, 4, 1e-5, {"a": 1e-5})
+    with pytest.raises(DappleError, match="two or more microbatch sizes"):
+        fit_fixed_s([str(one), str(same)])
