@@ -14,6 +14,11 @@ is the measured peak minus the same static bytes, so the activation error is the
 relative to the activations. Target: within 10%. Expected shapes: gpipe grows linearly with M, 1f1b
 stays flat once M >= S, zb-h1 no higher than 1f1b.
 
+What recomputation buys: the row `1f1b+recompute` lowers the same split with every stage recomputing
+(`recompute = true`: the forward keeps only its inputs, the backward reruns it), so each rank holds one
+microbatch's activations instead of min(S - s, M); the headline gives each rank's measured peak with
+and without.
+
     .venv/bin/python bench/memory.py [--quick] [--json PATH]
 """
 
@@ -33,6 +38,9 @@ sys.path.insert(0, str(BENCH))
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+#: A row's schedule with every stage recomputing its forward before the backward.
+RECOMPUTE = "+recompute"
+ROWS = (*SCHEDULES, "1f1b" + RECOMPUTE)
 MICROBATCH_SIZE = 32
 
 
@@ -59,7 +67,12 @@ def measure(planned: Any, model_hash: str, schedule: str, m: int, work: Path, tr
     plan_dir = work / f"{schedule}-{m}"
     module = copy.deepcopy(planned)
     module.programs = []
-    lower = f"schedule{{kind={schedule},microbatches={m}}},lower-comm,insert-frees,verify"
+    # The split was planned for another M: the module's batch attributes must describe this row's.
+    module.attrs.microbatches, module.attrs.global_batch = m, m * MICROBATCH_SIZE
+    kind = schedule.removesuffix(RECOMPUTE)
+    for stage in module.stages:
+        stage.attrs.recompute = True if kind != schedule else None
+    lower = f"schedule{{kind={kind},microbatches={m}}},lower-comm,insert-frees,verify"
     result = dapple_ir.compile(
         module, cluster=str(module.attrs.cluster), global_batch=m * MICROBATCH_SIZE, pipeline=lower,
         optimizer="sgd", out_dir=plan_dir,
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan_stages(module, args.stages, counts[-1])
     split = [len(s.ops) for s in planned.stages]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-mem-") as tmp:
-        for schedule in SCHEDULES:
+        for schedule in ROWS:
             for m in counts:
                 try:
                     rows = measure(planned, model_hash, schedule, m, Path(tmp), args.transport)
@@ -138,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         f"measured by `dapple run --transport {args.transport}`, 2 steps; the runtime's meter counts every storage "
         "it holds once, autograd's saved tensors included.",
     ]
+    peaks = {key: pts[-1] for key, pts in series.items()}
+    bought = [
+        f"rank {rank} {(peaks[('1f1b', rank)][2]) / kib:.0f} -> {peaks[('1f1b' + RECOMPUTE, rank)][2] / kib:.0f} KiB"
+        for rank in range(args.stages)
+        if ("1f1b", rank) in peaks and ("1f1b" + RECOMPUTE, rank) in peaks
+    ]
+    if bought:
+        report.headlines.append(f"recomputation at M={counts[-1]}, measured activation peak: " + ", ".join(bought))
     if act_errors:
         worst = max(act_errors)
         report.headlines.append(
@@ -155,11 +176,11 @@ def _plot(series: dict[tuple[str, int], list[tuple[int, float, float]]], stages:
 
     ranks = sorted({rank for _, rank in series})
     fig, axes = plt.subplots(1, len(ranks), figsize=(5.5 * len(ranks), 4.2), squeeze=False)
-    colors = {"gpipe": "tab:red", "1f1b": "tab:blue", "zb-h1": "tab:green"}
+    colors = {"gpipe": "tab:red", "1f1b": "tab:blue", "zb-h1": "tab:green", "1f1b" + RECOMPUTE: "tab:purple"}
     # Distinct markers and sizes: schedules with equal peaks (1f1b and zb-h1 often) stay visible.
-    markers = {"gpipe": ("o", 6), "1f1b": ("s", 9), "zb-h1": ("^", 5)}
+    markers = {"gpipe": ("o", 6), "1f1b": ("s", 9), "zb-h1": ("^", 5), "1f1b" + RECOMPUTE: ("D", 5)}
     for ax, rank in zip(axes[0], ranks, strict=True):
-        for schedule in SCHEDULES:
+        for schedule in ROWS:
             pts = series.get((schedule, rank))
             if not pts:
                 continue

@@ -43,6 +43,7 @@ def default_pipeline(
     policy: str | None = None,
     max_layers: int | None = None,
     virtual: int | None = None,
+    recompute: str = "auto",
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
@@ -54,6 +55,8 @@ def default_pipeline(
             options.append(f"{key}={value}")
     if virtual is not None:
         options.append(f"virtual={virtual}")
+    if recompute != "auto":
+        options.append(f"recompute={recompute}")
     coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
     front = [] if profile else ["annotate-cost"]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
@@ -84,6 +87,7 @@ def compile(
     manager: dict[str, Any] | None = None,
     force: bool = False,
     virtual: int | None = None,
+    recompute: str = "auto",
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
@@ -125,6 +129,7 @@ def compile(
         policy=policy,
         max_layers=max_layers,
         virtual=virtual,
+        recompute=recompute,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)

@@ -64,7 +64,11 @@ def modules(draw: st.DrawFn) -> Module:
         target = draw(st.none() | symbol_names) if kind is not OpKind.INPUT else None
         ops.append(Op(draw(names), kind, operands, draw(types), target, attrs))
     cut = draw(st.integers(0, len(ops)))
-    stages = [Stage("s0", ops[:cut], StageAttrs(replicas=1, devices=(0,))), Stage("s1", ops[cut:])]
+    recompute = draw(st.sampled_from([None, True, False]))
+    stages = [
+        Stage("s0", ops[:cut], StageAttrs(replicas=1, devices=(0,), recompute=recompute)),
+        Stage("s1", ops[cut:]),
+    ]
     layers = [Layer("L0", ops[:cut], LayerAttrs(cut_bytes=draw(finite)))]
     programs = []
     for r in range(draw(st.integers(0, 3))):

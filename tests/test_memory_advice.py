@@ -148,7 +148,7 @@ def test_advised_cluster_plans_and_the_next_smaller_does_not() -> None:
     assert not any(_plans(_on(problem, smaller), Request(method="dp", microbatches=m)) for m in _divisors(64))
     # The bound it states is what the memory model allows: no candidate on fewer devices fits.
     assert advice.least_devices == min(
-        lean.devices for m in _divisors(64) if (lean := leanest_plan(problem, m, "1f1b")) is not None
+        lean.devices for m in _divisors(64) if (lean := leanest_plan(problem, m, "1f1b", recompute=True)) is not None
     )
     # Transfers here are 1 MB a microbatch: the planner fills the first node count the bound allows.
     assert int(nodes) == -(-advice.least_devices // 4)
@@ -188,8 +188,9 @@ def test_planner_finds_the_lean_plan_the_memory_model_allows() -> None:
     need = min(lean.devices for m in _divisors(64) if (lean := leanest_plan(problem, m, "1f1b")) is not None)
     nodes = -(-need // 8)
     assert nodes * 8 > 64
-    assert _plans(_on(problem, f"{nodes}x8xH100"), DP)
-    assert (nodes - 1) * 8 < need and not _plans(_on(problem, f"{nodes - 1}x8xH100"), DP)
+    plain = dataclasses.replace(DP, recompute="none")  # recomputation would fit it on fewer
+    assert _plans(_on(problem, f"{nodes}x8xH100"), plain)
+    assert (nodes - 1) * 8 < need and not _plans(_on(problem, f"{nodes - 1}x8xH100"), plain)
 
 
 def test_a_layer_too_big_for_any_cluster_is_named() -> None:
@@ -211,7 +212,8 @@ def test_none_up_to_the_bound_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from dapple_ir.planner import search as search_module
 
     monkeypatch.setattr(search_module, "ADVICE_MAX_DEVICES", 8)
-    advice = _advice(_memory_bound_problem("1x4xV100-16GB"))
+    # Without recomputation: with it, 2x4 would fit.
+    advice = _advice(_memory_bound_problem("1x4xV100-16GB"), dataclasses.replace(DP, recompute="none"))
     assert advice.cluster is None and "No cluster of 4-device nodes up to 2x4xV100-16GB fits it" in advice.text
 
 

@@ -75,20 +75,26 @@ def test_example_plan_is_no_worse_than_any_baseline(spec: str, cluster: str) -> 
 
 
 @pytest.mark.slow
-def test_vgg19_plan_is_no_slower_than_fifteen_plus_one() -> None:
-    """DAPPLE's servers (one 25 Gbit/s card each), global batch 512: the convolutions data parallel on
-    15 devices over both servers and the classifier on the 16th move little between the servers
-    (the convolutions' gradients, one activation stream). The plan `dapple compile` searches for must
-    simulate no slower than that plan at its best microbatch count."""
+@pytest.mark.parametrize("global_batch", [512, 1024])
+def test_vgg19_plan_is_no_slower_than_fifteen_plus_one(global_batch: int) -> None:
+    """DAPPLE's servers (one 25 Gbit/s card each): the convolutions data parallel on 15 devices over
+    both servers and the classifier on the 16th move little between the servers (the convolutions'
+    gradients, one activation stream). The plan `dapple compile` searches for must simulate no slower
+    than that plan at its best microbatch count and schedule (at 1024 the cost model alone ranked an
+    11,4,1 plan first that simulates 5% slower; the simulator's local search finds better)."""
     module = import_profile(str(PROFILES / "dapple-vgg-19-pbs-32.txt"))
     module.attrs.optimizer = "adam"
     PassManager(build_pipeline("coarsen")).run(module)
-    problem = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), 512)
+    problem = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), global_batch)
     outcome = search(problem, Request(), functools.partial(lower_and_simulate, module))
     tail = next(k for k, layer in enumerate(module.layers) if any(op.target == "node23" for op in layer.ops))
     assert [op.target for layer in module.layers[tail:] for op in layer.ops] == ["node23", "node24", "node25", "node26"]
     stages = (StageChoice(0, tail, tuple(range(15))), StageChoice(tail, problem.layers, (15,)))
-    fifteen_one = min(lower_and_simulate(module, problem, Candidate(stages, m))[0] for m in (64, 128, 256, 512))
+    fifteen_one = min(
+        lower_and_simulate(module, problem, Candidate(stages, m, schedule))[0]
+        for m in (64, 128, 256, 512)
+        for schedule in ("1f1b", "gpipe")
+    )
     assert outcome.chosen.simulated_s is not None
     assert outcome.chosen.simulated_s <= fifteen_one * (1 + 1e-9), "\n".join(outcome.explain)
 

@@ -43,8 +43,10 @@ def make_plan(
     virtual: int = 1,
     optimizer: str = "sgd",
     lr: float = 0.05,
+    recompute: tuple[int, ...] = (),
 ) -> Path:
-    """A plan directory for `spec`: ops split into stages*virtual contiguous chunks, lowered by the passes."""
+    """A plan directory for `spec`: ops split into stages*virtual contiguous chunks, lowered by the passes
+    (the stages numbered in `recompute` recompute their forward)."""
     loaded = load_model_spec(spec, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)
     module = capture_loaded(loaded).module
@@ -56,7 +58,12 @@ def make_plan(
     first = [sum(reps[:s]) for s in range(stages)]
     devices = [tuple(range(first[s], first[s] + reps[s])) for s in range(stages)]
     module.stages = [
-        Stage(f"s{k}", chunks[k], StageAttrs(replicas=reps[k % stages], devices=devices[k % stages])) for k in range(n)
+        Stage(
+            f"s{k}",
+            chunks[k],
+            StageAttrs(replicas=reps[k % stages], devices=devices[k % stages], recompute=(k in recompute) or None),
+        )
+        for k in range(n)
     ]
     module.attrs.microbatches = microbatches
     module.attrs.microbatch_size = microbatch_size

@@ -66,12 +66,30 @@ def rank_source(module: Module, program: RankProgram, rank: int, namer: Namer, d
     posts: dict[int, list[Instr]] = {}
     for recv, post in sorted(recv_posts(module, program).items()):
         posts.setdefault(post, []).append(program.instrs[recv])
-    return text + ("\n".join(_body(program.instrs, namer, posts)) or "    pass") + "\n"
+    releases = _releasing_sends(program)
+    return text + ("\n".join(_body(program.instrs, namer, posts, releases)) or "    pass") + "\n"
 
 
-def _body(instrs: list[Instr], namer: Namer, posts: dict[int, list[Instr]]) -> Iterator[str]:
+def _releasing_sends(program: RankProgram) -> set[int]:
+    """Indices of the sends after which the rank lets go of a recomputing stage's output: the last send
+    of each (value, microbatch) a recomputing stage here computes and no other stage here reads. Its
+    backward reruns the forward and makes the outputs again, so nothing of its forward is kept."""
+    hosted = {instr.stage for instr in program.instrs if instr.kind is InstrKind.FORWARD and instr.stage is not None}
+    last: dict[tuple[Op, int | None], int] = {}
+    for stage in hosted:
+        if not stage.recompute:
+            continue
+        made = set(stage.ops)
+        read_here = {v for other in hosted if other is not stage for op in other.ops for v in op.operands}
+        for index, instr in enumerate(program.instrs):
+            if instr.kind is InstrKind.SEND and not instr.grad and instr.value in made - read_here:
+                last[(instr.value, instr.mb)] = index
+    return set(last.values())
+
+
+def _body(instrs: list[Instr], namer: Namer, posts: dict[int, list[Instr]], releases: set[int]) -> Iterator[str]:
     """The calls, phase by phase; the receives posted early (`posts`: by the index they go before) as
-    `rt.post_recv` calls right before that instruction."""
+    `rt.post_recv` calls right before that instruction; the sends in `releases` with `release=True`."""
     starts = _phase_starts(instrs)
     for phase, (start, end) in enumerate(zip(starts, [*starts[1:], len(instrs)], strict=True)):
         if start == end:
@@ -81,7 +99,8 @@ def _body(instrs: list[Instr], namer: Namer, posts: dict[int, list[Instr]]) -> I
         yield f"    # --- {_PHASES[phase]} ---"
         for index in range(start, end):
             yield from (f"    {_call(recv, namer, 'post_recv')}" for recv in posts.get(index, ()))
-            yield f"    {_call(instrs[index], namer)}"
+            call = _call(instrs[index], namer)
+            yield f"    {call[:-1]}, release=True)" if index in releases else f"    {call}"
 
 
 def _phase_starts(instrs: list[Instr]) -> list[int]:

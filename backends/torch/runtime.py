@@ -72,6 +72,8 @@ class _Record:
     """Bytes of the tensors autograd saved, by storage address."""
     deferred: list[_WeightPass] | None = None
     """What `backward_input` left for `backward_weight`: the passes that produce the parameter gradients."""
+    args: list[Any] | None = None
+    """A recomputing stage's forward inputs (leaves included), kept to rerun it with grad before its backward."""
 
 
 @dataclass
@@ -127,6 +129,7 @@ class Runtime:
         tied: set[str] | None = None,
         seed: int = 0,
         record_grads: bool = False,
+        recompute: set[str] | None = None,
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -139,6 +142,8 @@ class Runtime:
         self.tied = tied or set()
         self.seed = seed
         self.record_grads = record_grads
+        self.recompute = recompute or set()
+        """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
         self.draws = {name: StageDraws(f"stage @{name}") for name in stages}
         self.recorded_grads: dict[int, dict[str, torch.Tensor]] = {}
         """With `record_grads`: the gradients the optimizer saw at step 0 (where a pipeline and one device start
@@ -235,14 +240,14 @@ class Runtime:
             sm = self._stage(stage)
             rec = _Record()
             args = [self._leaf(sm, name, mb, rec) for name in sm.inputs]
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                storage = t.untyped_storage()
-                rec.saved[storage.data_ptr()] = storage.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
+            if stage in self.recompute:
+                # Nothing saved for backward: the inputs are kept (the rank holds them until the backward
+                # anyway) and the forward reruns with grad right before it (`_rerun`).
+                rec.args = args
+                with torch.no_grad():
+                    results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
+            else:
+                results = self._run_saving(stage, sm, args, mb, rec)
             for name, value in zip(sm.outputs, results, strict=False):
                 rec.outputs[name] = value
                 self.values[(name, mb)] = value
@@ -254,9 +259,44 @@ class Runtime:
                 rec.loss = loss / self.microbatches
             self.records[(stage, mb)] = rec
 
+    def _run_saving(self, stage: str, sm: StageModule, args: list[Any], mb: int, rec: _Record) -> Any:
+        """The stage's forward with grad, counting what autograd saves for the backward in `rec.saved`."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            rec.saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
+
+    def _rerun(self, stage: str, mb: int, rec: _Record) -> None:
+        """A recomputing stage's forward again, with grad, on the same inputs and the same random draws
+        (`random_draws` seeds each by step, microbatch and op): the outputs and loss the backward starts from."""
+        if rec.args is None:
+            return
+        sm = self._stage(stage)
+        # The first forward already updated the buffers (batch norm's running statistics, its batch
+        # count) as one device would: the rerun must not update them twice.
+        buffers = list(sm.graph_module.buffers())
+        kept = [b.clone() for b in buffers]
+        results = self._run_saving(stage, sm, rec.args, mb, rec)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, kept, strict=True):
+                buffer.copy_(value)
+        rec.args = None
+        for name, value in zip(sm.outputs, results, strict=False):
+            rec.outputs[name] = value
+        if sm.has_loss:
+            rec.loss = results[-1] / self.microbatches
+        if self.device.type != "cuda":
+            # The rerun's activations live only inside this backward: count them in the peak here.
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
     def backward(self, stage: str, mb: int) -> None:
         with self._instr("backward", stage, mb, None):
             rec = self._record(stage, mb)
+            self._rerun(stage, mb, rec)
             outs, grads = self._output_grads(stage, mb, rec)
             if outs:
                 torch.autograd.backward(outs, grads)
@@ -267,6 +307,7 @@ class Runtime:
     def backward_input(self, stage: str, mb: int) -> None:
         with self._instr("backward_input", stage, mb, None):
             rec = self._record(stage, mb)
+            self._rerun(stage, mb, rec)
             outs, grads = self._output_grads(stage, mb, rec)
             params = [p for p in self._stage(stage).params.values() if p.requires_grad]
             leaves = list(rec.leaves.items())
@@ -310,12 +351,19 @@ class Runtime:
                     torch.autograd.backward(wp.roots, wp.grads, retain_graph=True, inputs=wp.params)
             self._release(stage, mb, rec)
 
-    def send(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+    def send(self, value: str, mb: int, peer: int, grad: bool = False, release: bool = False) -> None:
+        """Send `value` (or its gradient) of microbatch `mb` to `peer`; with `release` (the last send of a
+        recomputing stage's output, `codegen`), the rank lets go of it: the rerun forward makes it again."""
         with self._instr("send", None, mb, peer):
             payload = self._grad_to_send(value, mb) if grad else self._value(value, mb, "send")
             if isinstance(payload, torch.Tensor):
                 payload = payload.detach()
             self._sends.append((payload, peer, self._tag(value, mb, grad)))
+            if release and not grad:
+                self.values.pop((value, mb), None)
+                for (_stage, m), rec in self.records.items():
+                    if m == mb and rec.args is not None:
+                        rec.outputs.pop(value, None)
             if grad:
                 # A value's gradient goes back to its one producer: once sent, this rank is done with it
                 # (the transport keeps the payload alive until the send completes).
@@ -526,6 +574,7 @@ class Runtime:
         rec.loss = None
         rec.saved.clear()
         rec.deferred = None
+        rec.args = None
 
     def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...]) -> None:
         # A parameter shared by two stages of this rank is reduced once per group and step.

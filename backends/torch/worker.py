@@ -228,6 +228,7 @@ def build_runtime(
         tied=tied_params(plan.module),
         seed=plan.seed,
         record_grads=options.check,
+        recompute={s.name for s in plan.module.stages if s.recompute},
     )
 
 

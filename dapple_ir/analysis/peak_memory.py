@@ -6,6 +6,11 @@ once even when a tied parameter sits in two of them) plus what is live at the in
   * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free,
     from the point its receive is posted (`recv_posts`: up to one compute ahead, where memory allows);
   * `backward_input @s mb=m` keeps what the weight pass restarts from (`weight_pass_bytes`) until
+    `free @s mb=m`;
+  * a recomputing stage (`recompute`) keeps only its inputs at its forward: the model inputs and targets
+    it reads (`loaded_bytes`) until `free @s mb=m`, the received tensors as transfers (freed after its
+    backward anyway); its `backward` holds the rerun forward's activations (less those loaded inputs,
+    which the ops reading them save) while it runs, and a split `backward_input` holds them until
     `free @s mb=m`.
 Without free instructions (before `insert-frees`) nothing is released; `activation_peak_microbatches`
 reads compute instructions only and works on any program.
@@ -50,6 +55,12 @@ def weight_pass_bytes(module: Module, stage: Stage) -> float:
         if op.kind is not OpKind.GET_ATTR and (reads or any(v in weight_reads for v in op.operands)):
             total += transfer_bytes(module, op)
     return total
+
+
+def loaded_bytes(module: Module, stage: Stage) -> float:
+    """Bytes of the model inputs and targets (`input` ops) the stage's ops read, for one microbatch."""
+    read = {v for op in stage.ops for v in op.operands if v.kind is OpKind.INPUT}
+    return sum(transfer_bytes(module, v) for v in read)
 
 
 #: Element types the runtime hands gradients back for (its stage inputs become autograd leaves).
@@ -109,6 +120,7 @@ class Sizes:
     module: Module
     act: dict[Stage, float] = field(default_factory=dict)
     held: dict[Stage, float] = field(default_factory=dict)
+    inputs: dict[Stage, float] = field(default_factory=dict)
     transfer: dict[Op, float] = field(default_factory=dict)
     params: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
@@ -118,6 +130,11 @@ class Sizes:
 
     def weight_pass(self, stage: Stage) -> float:
         return _memo(self.held, stage, lambda: weight_pass_bytes(self.module, stage))
+
+    def loaded(self, stage: Stage) -> float:
+        """Bytes of the model inputs and targets the stage reads, for one microbatch: what a recomputing
+        stage keeps from its forward to rerun it (its received tensors are held as transfers)."""
+        return _memo(self.inputs, stage, lambda: loaded_bytes(self.module, stage))
 
     def transferred(self, value: Op) -> float:
         return _memo(self.transfer, value, lambda: transfer_bytes(self.module, value))
@@ -167,9 +184,19 @@ def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int
         if kind is InstrKind.FREE:
             size = -live.pop(_key(instr), 0.0)
         elif kind is InstrKind.FORWARD and stage is not None:
-            size = sizes.activation(stage)
+            # A recomputing stage's forward keeps only its inputs: the received ones are held as
+            # transfers until its backward anyway, the loaded ones (model inputs, targets) count here.
+            size = sizes.loaded(stage) if stage.recompute else sizes.activation(stage)
         elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
-            size = sizes.weight_pass(stage)
+            # The rerun forward's activations stay until the weight pass when the backward is split.
+            size = sizes.weight_pass(stage) + (_rerun_bytes(sizes, stage) if stage.recompute else 0.0)
+        elif kind is InstrKind.BACKWARD and stage is not None and stage.recompute:
+            # The rerun forward's activations live while the backward runs, then go.
+            act = _rerun_bytes(sizes, stage)
+            if act > 0:
+                yield index, act
+                yield index, -act
+            continue
         elif kind is InstrKind.RECV and instr.value is not None and index not in posts:
             size = sizes.transferred(instr.value)
         else:
@@ -179,6 +206,12 @@ def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int
             live[key] = live.get(key, 0.0) + size
         if size:
             yield index, size
+
+
+def _rerun_bytes(sizes: Sizes, stage: Stage) -> float:
+    """What a recomputing stage's rerun forward adds: its activations, less the loaded inputs it already
+    keeps (the ops that read them save those very tensors)."""
+    return max(0.0, sizes.activation(stage) - sizes.loaded(stage))
 
 
 def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None) -> dict[int, int]:

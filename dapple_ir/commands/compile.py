@@ -9,7 +9,7 @@ from dapple_ir import schedules
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
 from dapple_ir.planner.cost_model import POLICIES
-from dapple_ir.planner.search import METHODS
+from dapple_ir.planner.search import METHODS, RECOMPUTE
 
 _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
@@ -54,6 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="V",
         help="virtual stages per device group (interleaved schedule); default: the planner chooses",
     )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="auto",
+        help="activation recomputation: auto (the planner picks the stages that need it), none or all",
+    )
     p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
     p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         profile_batch=args.profile_batch,
         max_layers=args.max_layers,
         virtual=args.virtual,
+        recompute=args.recompute,
         log=lambda m: print(m, file=sys.stderr),
         manager=manager,
     )

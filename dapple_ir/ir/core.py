@@ -187,6 +187,9 @@ class StageAttrs(AttrRecord):
     """Data-parallel copies of the stage; replica j runs microbatches m with m % replicas == j."""
     devices: tuple[int, ...] | None = None
     """Device id of each replica, in replica order."""
+    recompute: bool | None = None
+    """Activation recomputation: the forward keeps only the stage's inputs (the values it receives)
+    per microbatch and is rerun, with grad, right before that microbatch's backward."""
 
 
 @dataclass(slots=True)
@@ -298,6 +301,10 @@ class Stage:
     @property
     def replicas(self) -> int:
         return self.attrs.replicas or 1
+
+    @property
+    def recompute(self) -> bool:
+        return bool(self.attrs.recompute)
 
 
 # ---------------------------------------------------------------------------------- programs

@@ -27,6 +27,11 @@ free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B.
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
 
+Recomputation (`Candidate.recompute`, per stage; 1f1b and gpipe): a recomputing stage keeps only its
+input (the bytes crossing the cut before it) per microbatch in flight, plus one microbatch's
+activations while the rerun forward and the backward run; its backward costs B_s + F_s. With uniform
+stages recomputing everywhere the closed form becomes (M + S - 1)(2F + B).
+
 With V virtual stages per device group (interleaved, `Candidate.virtual`), the S = P V stages sit on
 P groups (stage k on group k % P) and the recursion runs over the groups (`_evaluate_interleaved`):
 the first microbatch crosses each group in chunks of 1/V of its work, so the bubble shrinks by V,
@@ -188,6 +193,16 @@ class Candidate:
     virtual: int = 1
     """Virtual stages per device group (interleaved): stage k sits on the devices of stage k % P,
     P = len(stages) / virtual (Megatron's interleaved placement)."""
+    recompute: tuple[bool, ...] = ()
+    """Per stage: does it recompute its forward before the backward (empty: no stage does)."""
+
+    def recomputes(self, k: int) -> bool:
+        return k < len(self.recompute) and self.recompute[k]
+
+    def recomputing(self) -> str:
+        """The recomputing stages, as `--explain` lists them ("s0,s2"), or "-"."""
+        names = [f"s{k}" for k in range(len(self.stages)) if self.recomputes(k)]
+        return ",".join(names) if names else "-"
 
     @property
     def replicas(self) -> tuple[int, ...]:
@@ -206,7 +221,8 @@ class Candidate:
     def describe(self) -> str:
         cuts = "|".join(f"{s.lo}-{s.hi - 1}x{s.replicas}" for s in self.stages)
         virtual = f" V={self.virtual}" if self.virtual > 1 else ""
-        return f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy} layers[{cuts}]"
+        rc = f" rc {self.recomputing()}" if any(self.recompute) else ""
+        return f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy}{rc} layers[{cuts}]"
 
 
 @dataclass(frozen=True)
@@ -261,10 +277,28 @@ def cut_link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> Li
 
 
 def stage_memory(
-    problem: Problem, lo: int, hi: int, schedule: str, stages_after: int, per_replica: int, b: int
+    problem: Problem,
+    lo: int,
+    hi: int,
+    schedule: str,
+    stages_after: int,
+    per_replica: int,
+    b: int,
+    recompute: bool = False,
 ) -> float:
+    """Static bytes of layers [lo, hi) plus the activations of the microbatches in flight; with
+    `recompute`, each microbatch in flight keeps only the stage's input (`received_bytes`) and one
+    microbatch's activations live while its forward reruns before the backward."""
     act = (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
-    return problem.ps[hi] - problem.ps[lo] + in_flight(schedule, stages_after, per_replica) * act
+    held = in_flight(schedule, stages_after, per_replica)
+    if recompute:
+        return problem.ps[hi] - problem.ps[lo] + held * received_bytes(problem, lo, b) + act
+    return problem.ps[hi] - problem.ps[lo] + held * act
+
+
+def received_bytes(problem: Problem, lo: int, b: int) -> float:
+    """Bytes a stage starting at layer `lo` receives per microbatch of b samples (0 for the first)."""
+    return problem.cut_bytes[lo - 1] * b / problem.batch if lo > 0 else 0.0
 
 
 def evaluate(problem: Problem, cand: Candidate) -> Estimate:
@@ -273,6 +307,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     if m < 1 or problem.global_batch % m:
         raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
     if cand.virtual > 1:
+        if any(cand.recompute):
+            raise PlanError("recomputation is not modelled with virtual stages (interleaved); plan without it")
         return _evaluate_interleaved(problem, cand)
     b = problem.microbatch_size(m)
     pf, pb = problem.prefix_times(m)
@@ -286,6 +322,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
         st = cand.stages[s]
         fwd = pf[st.hi] - pf[st.lo]
         bwd = pb[st.hi] - pb[st.lo]
+        if cand.recomputes(s):
+            bwd += fwd  # the forward reruns before the backward
         per_replica = -(-m // st.replicas)
         busy = per_replica * (fwd + bwd)
         c = 0.0
@@ -300,7 +338,7 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
         g = max(busy, share * (fwd + bwd) + 2 * c + g)
         h = max(ar, h - (bwd + c))
         busies[s] = busy
-        peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, b)
+        peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, b, cand.recomputes(s))
         caps[s] = min(problem.capacity(d) for d in st.devices)
     tail = max(0.0, h)
     _card, floor = busiest(network, loads, network.card_links)

@@ -92,9 +92,12 @@ def solve(
     front: int | None = 3,
     choices: list[int] | None = None,
     bound: float = math.inf,
+    recompute: bool = False,
 ) -> Candidate | None:
     """The best candidate for one (M, schedule, policy), or None when nothing fits in memory or
-    beats `bound` (a stage busier than the bound cannot be part of a better plan: pruned)."""
+    beats `bound` (a stage busier than the bound cannot be part of a better plan: pruned). With
+    `recompute`, every stage recomputes (`cost_model.stage_memory`): it keeps its input per microbatch
+    in flight and one microbatch's activations, and its backward reruns the forward."""
     cluster = problem.cluster
     total = cluster.num_devices
     layers = problem.layers
@@ -182,8 +185,9 @@ def solve(
 
     @cache
     def spans_from(i: int) -> list[tuple[float, float, float, float, float]]:
+        rerun = 1.0 if recompute else 0.0
         return [
-            (pf[j] - pf[i], pb[j] - pb[i], ps[j] - ps[i], pa[j] - pa[i], pg[j] - pg[i])
+            (pf[j] - pf[i], pb[j] - pb[i] + rerun * (pf[j] - pf[i]), ps[j] - ps[i], pa[j] - pa[i], pg[j] - pg[i])
             for j in range(i + 1, layers + 1)
         ]
 
@@ -192,6 +196,8 @@ def solve(
         found: list[_Entry] = []
         append = found.append
         spans = spans_from(i)
+        # Bytes held per microbatch in flight: the activations, or with recompute the stage's input.
+        kept_input = cut_bytes[i - 1] * cut_scale if recompute and i > 0 else 0.0
         for r in replicas:
             start = stage_start(cluster, policy, d, r)
             if start + r > total or r > microbatches:
@@ -208,6 +214,9 @@ def solve(
                 ar = grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0
                 step = grads * ring_factor
                 act = a_sum * act_scale
+                # One microbatch's activations live at once (recompute), the rest keep `act` each.
+                if recompute:
+                    static, act = static + act, kept_input
                 if j == layers:
                     if static + (per if gpipe else min(per, 2 if interleaved else 1)) * act <= cap:
                         loads, floor = add(empty_loads, 0.0, ring, peak, step, none, 0.0)
@@ -342,6 +351,7 @@ def plan_dp(
     choices: list[int] | None = None,
     bound: float = math.inf,
     slack: float = 1.1,
+    recompute: bool = False,
 ) -> list[tuple[Candidate, Estimate]]:
     """The DP's best candidate for every (M, schedule, policy), evaluated and sorted, fitting ones first.
 
@@ -356,9 +366,21 @@ def plan_dp(
             raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
         for schedule in schedules:
             for policy in policies if best_policy is None else [best_policy]:
-                cand = solve(problem, m, schedule, policy, stages=stages, front=front, choices=choices, bound=bound)
+                cand = solve(
+                    problem,
+                    m,
+                    schedule,
+                    policy,
+                    stages=stages,
+                    front=front,
+                    choices=choices,
+                    bound=bound,
+                    recompute=recompute,
+                )
                 if cand is None:
                     continue
+                if recompute:
+                    cand = dataclasses.replace(cand, recompute=(True,) * len(cand.stages))
                 estimate = evaluate(problem, cand)
                 results.append((cand, estimate))
                 if estimate.fits and estimate.iteration_s * slack <= bound:
@@ -369,7 +391,13 @@ def plan_dp(
 
 
 def replicated_pipelines(
-    problem: Problem, *, microbatches: list[int], schedule: str, front: int | None = 3, bound: float = math.inf
+    problem: Problem,
+    *,
+    microbatches: list[int],
+    schedule: str,
+    front: int | None = 3,
+    bound: float = math.inf,
+    recompute: bool = False,
 ) -> list[tuple[Candidate, Estimate]]:
     """For large clusters: plan one pipeline on N/P devices (whole nodes, at most 64 devices) with the
     DP, then copy it P times. Replica j of a stage belongs to copy j % P, so that microbatch m stays
@@ -388,7 +416,13 @@ def replicated_pipelines(
             trial = dataclasses.replace(problem, cluster=sub, global_batch=problem.global_batch // copies)
             ms = [m // copies for m in microbatches if m % copies == 0 and trial.global_batch % (m // copies) == 0]
             for cand, _est in plan_dp(
-                trial, microbatches=ms or [1], schedules=[schedule], policies=["append-first"], front=front, bound=bound
+                trial,
+                microbatches=ms or [1],
+                schedules=[schedule],
+                policies=["append-first"],
+                front=front,
+                bound=bound,
+                recompute=recompute,
             ):
                 merged = _copy(cand, copies, sub_devices)
                 results.append((merged, evaluate(problem, merged)))
@@ -402,7 +436,14 @@ def _copy(cand: Candidate, copies: int, sub_devices: int) -> Candidate:
     for st in cand.stages:
         devices = tuple(st.devices[j // copies] + (j % copies) * sub_devices for j in range(st.replicas * copies))
         stages.append(StageChoice(st.lo, st.hi, devices))
-    return Candidate(tuple(stages), cand.microbatches * copies, cand.schedule, cand.policy, f"dp x{copies} copies")
+    return Candidate(
+        tuple(stages),
+        cand.microbatches * copies,
+        cand.schedule,
+        cand.policy,
+        f"dp x{copies} copies",
+        recompute=cand.recompute,
+    )
 
 
 def lower_bound_devices(problem: Problem) -> int:

@@ -56,7 +56,13 @@ class LeanPlan:
 
 
 def leanest_plan(
-    problem: Problem, microbatches: int, schedule: str = "1f1b", stages: int | None = None, *, transfers: bool = False
+    problem: Problem,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages: int | None = None,
+    *,
+    transfers: bool = False,
+    recompute: bool = False,
 ) -> LeanPlan | None:
     """The candidate with `microbatches` microbatches (and exactly `stages` stages, when given) that
     fits in memory on the fewest devices of capacity `problem.capacity(0)`, or None when none fits
@@ -65,7 +71,9 @@ def leanest_plan(
     The memory is the cost model's (`stage_memory`); with `transfers`, also what a rank program
     holds beyond it: the values received from earlier stages, kept with each microbatch in flight,
     and the gradient received from the next stage (at most the bytes crossing the cut before and
-    after the stage), so that the plan also fits once lowered, as the simulator counts it."""
+    after the stage), so that the plan also fits once lowered, as the simulator counts it. With
+    `recompute`, each stage may also recompute (`stage_memory`): it then holds one microbatch's
+    activations and, per microbatch in flight, its input; whichever needs fewer replicas."""
     cap = problem.capacity(0)
     b = problem.microbatch_size(microbatches)
     act_scale = b / problem.cost_batch
@@ -78,7 +86,17 @@ def leanest_plan(
         received = cut[lo - 1] * cut_scale if lo > 0 else 0.0
         grad = cut[hi - 1] * cut_scale if hi < layers else 0.0
         room = cap - (ps[hi] - ps[lo]) - grad
-        act = (pa[hi] - pa[lo]) * act_scale + received
+        full = (pa[hi] - pa[lo]) * act_scale
+        plain = fewest(room, full + received, n)
+        if not recompute:
+            return plain
+        # Recomputing: one microbatch's activations, and the input per microbatch in flight (received
+        # with `transfers`, the same bytes: counted once).
+        rerun = fewest(room - full, cut[lo - 1] * b / problem.batch if lo > 0 else 0.0, n)
+        return rerun if plain is None else plain if rerun is None else min(plain, rerun)
+
+    def fewest(room: float, act: float, n: int) -> int | None:
+        """The fewest replicas holding `act` bytes per microbatch in flight within `room`."""
         if room < 0:
             return None
         if in_flight(schedule, n, microbatches) * act <= room:

@@ -18,6 +18,7 @@ from dapple_ir.planner.cost_model import (
     Candidate,
     Estimate,
     Problem,
+    StageChoice,
     candidate,
     evaluate,
     microbatch_choices,
@@ -33,6 +34,13 @@ METHODS = ("auto", "dp", "ilp")
 
 #: How many of the best candidates `auto` lowers and simulates.
 SIMULATED = 4
+#: The local search around the best simulated plans (`_local_search`): rounds, plans continued from
+#: per round, the most stages whose cuts it moves, and the largest cluster it runs on (beyond it a
+#: simulation costs seconds).
+LOCAL_ROUNDS = 3
+LOCAL_WIDTH = 2
+LOCAL_CUT_STAGES = 4
+LOCAL_DEVICES = 64
 
 #: The most virtual stages per device group an interleaved request without `virtual` tries.
 MAX_VIRTUAL = 4
@@ -42,6 +50,13 @@ EXACT_FRONT_CARDS = 8
 
 #: Virtual stage counts `auto` (no schedule asked for) tries on its best 1f1b plans.
 AUTO_VIRTUAL = (2, 4)
+
+#: Recomputation choices: per stage where it fits only so (or lets a faster plan fit), never, or everywhere.
+RECOMPUTE = ("auto", "none", "all")
+
+#: Schedules whose memory the cost model counts with recomputation (a split backward, zb-h1, keeps the
+#: rerun activations until its deferred weight pass; interleaved has its own accounting).
+RECOMPUTE_SCHEDULES = ("1f1b", "gpipe")
 
 Score = Callable[[Problem, Candidate], tuple[float, float]]
 """Scores a candidate of a problem: (iteration seconds, worst peak bytes), as the simulator predicts
@@ -63,6 +78,8 @@ class Request:
     ilp_time_limit_s: float = 10.0
     virtual: int | None = None
     """Virtual stages per device group (interleaved); None lets an interleaved request choose."""
+    recompute: str = "auto"
+    """One of `RECOMPUTE`: `auto` recomputes a stage only where the plan fits only so or runs faster."""
 
 
 @dataclass
@@ -92,6 +109,15 @@ def validate(problem: Problem, req: Request) -> None:
         raise PlanError(f"schedule must be auto or one of {', '.join(SCHEDULES)}, not '{req.schedule}'")
     if req.policy is not None and req.policy not in POLICIES:
         raise PlanError(f"policy must be auto or one of {', '.join(POLICIES)}, not '{req.policy}'")
+    if req.recompute not in RECOMPUTE:
+        raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE)}, not '{req.recompute}'")
+    if req.recompute == "all" and (
+        (req.schedule is not None and req.schedule not in RECOMPUTE_SCHEDULES) or (req.virtual or 1) > 1
+    ):
+        raise PlanError(
+            f"recompute=all is modelled for the {' and '.join(RECOMPUTE_SCHEDULES)} schedules without virtual "
+            f"stages, not schedule '{req.schedule}' with virtual={req.virtual}; ask for one of those, or recompute=auto"
+        )
     if req.virtual is not None and req.virtual < 1:
         raise PlanError(f"virtual must be auto or a positive integer, not {req.virtual}")
     if req.virtual is not None and req.virtual > 1 and req.schedule not in (None, "interleaved"):
@@ -158,6 +184,8 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
                 base_req = dataclasses.replace(req, schedule="1f1b", stages=groups)
                 bases[groups] = _gather(problem, base_req, "1f1b") + _even_groups(problem, base_req)
             pool += _interleaved(problem, bases[groups], v)
+    if not virtuals and req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
+        pool = _with_recompute(problem, req, schedule, pool)
     pool = _unique(pool)
     fitting = sorted((s for s in pool if s.estimate.fits), key=lambda s: s.estimate.iteration_s)
     if not fitting:
@@ -178,6 +206,10 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
     # Simulated times first (the number the user is shown), then the unsimulated by the model.
     timed = sorted((s for s in head if s not in over and s.simulated_s is not None), key=lambda s: s.time_s)
     untimed = sorted((s for s in head if s not in over and s.simulated_s is None), key=lambda s: s.time_s)
+    if score is not None and timed and _cluster_is_small(problem):
+        near = _local_search(problem, req, timed, pool + head, score, cap)
+        head += near
+        timed = sorted(timed + near, key=lambda s: s.time_s)
     if score is not None and over and not timed and not untimed:
         # Every simulated candidate overflows once lowered (the cost model counts less than a rank
         # program holds): simulate more until one fits, so that `verify` accepts the plan chosen.
@@ -250,6 +282,68 @@ def _gather(problem: Problem, req: Request, schedule: str) -> list[Scored]:
     return pool
 
 
+def _with_recompute(problem: Problem, req: Request, schedule: str, pool: list[Scored]) -> list[Scored]:
+    """The pool with recomputation: `all` turns it on in every stage of every candidate; `auto` adds
+    the DP's plans where every stage may recompute (each trimmed to the stages that need it,
+    `trim_recompute`) and, for every candidate that does not fit, the same plan recomputing the stages
+    that do not fit without. The DP in recompute mode runs only when nothing fits without
+    recomputation: run always (pruned by the best plan's time), it found no faster plan on any shipped
+    profile on 1x8xV100 and cost up to 45% more search time (GNMT-16 on 2x8xV100)."""
+    if req.recompute == "all":
+        everywhere = [dataclasses.replace(s.cand, recompute=(True,) * len(s.cand.stages)) for s in pool]
+        pool = [Scored(c, evaluate(problem, c)) for c in everywhere]
+        return pool + _recompute_gather(problem, req, schedule, trim=False)
+    extra = []
+    for s in pool:
+        if not s.estimate.fits and s.cand.virtual == 1:
+            trimmed = trim_recompute(problem, s.cand, everywhere=True)
+            if trimmed is not None:
+                extra.append(trimmed)
+    if not any(s.estimate.fits for s in pool):
+        extra += _recompute_gather(problem, req, schedule, trim=True)
+    return pool + extra
+
+
+def _recompute_gather(problem: Problem, req: Request, schedule: str, *, trim: bool) -> list[Scored]:
+    """The DP's candidates with every stage allowed to recompute (`dp.solve(recompute=True)`) and the
+    even pipelines (`_even_groups`: P time-balanced stages of N / P replicas each) recomputing, trimmed to
+    the stages that need it when `trim`. The even pipelines are there for the simulator to rank: with
+    replica counts that differ between stages the model's time can be far off (Llama-2-70B on 8x8xH100:
+    the DP's plan is estimated at 50 s and simulates at 105 s, 32 even stages of 2 at 63 and 64 s)."""
+    cluster = problem.cluster
+    ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, cluster.num_devices)
+    policies = [req.policy] if req.policy else policies_for(cluster, POLICIES)
+    found = plan_dp(
+        problem, microbatches=ms, schedules=[schedule], policies=policies, stages=req.stages, recompute=True
+    )
+    if cluster.num_devices > 64 and req.stages is None and req.policy is None:
+        found += replicated_pipelines(problem, microbatches=ms, schedule=schedule, recompute=True)
+    for even in _even_groups(problem, req):
+        cand = dataclasses.replace(even.cand, schedule=schedule, recompute=(True,) * len(even.cand.stages))
+        found.append((cand, evaluate(problem, cand)))
+    pool = []
+    for cand, est in found:
+        trimmed = trim_recompute(problem, cand) if trim else None
+        pool.append(trimmed or Scored(cand, est))
+    return pool
+
+
+def trim_recompute(problem: Problem, cand: Candidate, *, everywhere: bool = False) -> Scored | None:
+    """`cand` recomputing exactly the stages that do not fit without it (starting from every stage with
+    `everywhere`, else from the candidate's own choice), or None when it still does not fit. Turning it
+    off where a stage fits only saves time, and never changes another stage's memory."""
+    start = dataclasses.replace(cand, recompute=(True,) * len(cand.stages)) if everywhere else cand
+    if not evaluate(problem, start).fits:
+        return None
+    without = evaluate(problem, dataclasses.replace(cand, recompute=()))
+    needed = tuple(
+        start.recomputes(k) and peak > capacity
+        for k, (peak, capacity) in enumerate(zip(without.stage_peak_bytes, without.stage_capacity, strict=True))
+    )
+    trimmed = dataclasses.replace(cand, recompute=needed if any(needed) else ())
+    return Scored(trimmed, evaluate(problem, trimmed))
+
+
 def _virtual_choices(problem: Problem, req: Request) -> list[int]:
     """The virtual stage counts to plan with: the one asked for, else for an interleaved request
     2 to `MAX_VIRTUAL` (dividing the stage count when it is forced); empty without virtual stages."""
@@ -304,14 +398,89 @@ def _schedule_variants(problem: Problem, best: list[Scored], *, interleave: bool
     for s in best:
         if s.cand.schedule != "1f1b":
             continue
-        if interleave:
+        if interleave and not any(s.cand.recompute):
             variants += [v for v in _interleaved(problem, [s], *AUTO_VIRTUAL) if v.estimate.fits]
         for schedule in ("zb-h1", "gpipe"):
+            if any(s.cand.recompute) and schedule not in RECOMPUTE_SCHEDULES:
+                continue
             cand = dataclasses.replace(s.cand, schedule=schedule, source=f"{s.cand.source}+{schedule}")
             estimate = evaluate(problem, cand)
             if estimate.fits:
                 variants.append(Scored(cand, estimate))
     return variants
+
+
+def _cluster_is_small(problem: Problem) -> bool:
+    """Whether simulating a plan is cheap enough for the local search (`LOCAL_DEVICES`)."""
+    return problem.cluster.num_devices <= LOCAL_DEVICES
+
+
+def _local_search(
+    problem: Problem, req: Request, timed: list[Scored], known: list[Scored], score: Score, cap: float
+) -> list[Scored]:
+    """Hill-climb in the simulator from the best simulated plans. The searches rank by the cost
+    model, which misjudges some plans (round-robin replicas of uneven counts wait on each other in
+    ways its formula does not see: VGG-19 at global batch 1024 on 2x8 V100 estimates 11,4,1 replicas
+    at 343 ms, simulated 409 ms, while 15,1 cut one layer later simulates 391 ms under gpipe). Each
+    round takes the `LOCAL_WIDTH` best, simulates their neighbours (`_neighbours`) and continues from
+    those that beat the best so far, for at most `LOCAL_ROUNDS` rounds. Returns the neighbours
+    simulated that fit in device memory."""
+    seen = {_plan_key(s.cand) for s in known}
+    found: list[Scored] = []
+    best = timed[0].time_s
+    frontier = timed[:LOCAL_WIDTH]
+    for _ in range(LOCAL_ROUNDS):
+        near = [n for s in frontier for n in _neighbours(problem, req, s.cand, seen)]
+        _score_best(problem, near, score)
+        near = [n for n in near if n.simulated_s is not None and (n.simulated_peak or 0.0) <= cap]
+        found += near
+        better = sorted((n for n in near if n.time_s < best), key=lambda n: n.time_s)
+        if not better:
+            break
+        best, frontier = better[0].time_s, better[:LOCAL_WIDTH]
+    return found
+
+
+def _plan_key(cand: Candidate) -> tuple:
+    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual)
+
+
+def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple]) -> list[Scored]:
+    """The plans one step from `cand` that fit and were not seen: half and twice the microbatches,
+    another schedule, and (up to `LOCAL_CUT_STAGES` stages) one cut moved by a layer; what the
+    request fixes stays fixed, and a forced stage count keeps the searches' cuts too (it is how a
+    split is reproduced to compare systems: bench/runtime_vs_torch_pipelining.py cuts torch where we
+    cut, which must be a module's edge). Interleaved plans have no neighbours."""
+    if cand.virtual != 1:
+        return []
+    options: list[Candidate] = []
+    if req.microbatches is None:
+        for m in (cand.microbatches // 2, cand.microbatches * 2):
+            if 1 <= m <= problem.global_batch and problem.global_batch % m == 0:
+                options.append(dataclasses.replace(cand, microbatches=m, source=f"{cand.source}~M{m}"))
+    if req.schedule is None:
+        allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
+        options += [
+            dataclasses.replace(cand, schedule=k, source=f"{cand.source}~{k}") for k in allowed if k != cand.schedule
+        ]
+    if req.stages is None and len(cand.stages) <= LOCAL_CUT_STAGES:
+        for k in range(len(cand.stages) - 1):
+            a, b = cand.stages[k], cand.stages[k + 1]
+            for step in (-1, 1):
+                if a.lo < a.hi + step < b.hi:
+                    moved = (StageChoice(a.lo, a.hi + step, a.devices), StageChoice(a.hi + step, b.hi, b.devices))
+                    stages = cand.stages[:k] + moved + cand.stages[k + 2 :]
+                    options.append(dataclasses.replace(cand, stages=stages, source=f"{cand.source}~cut{k}{step:+d}"))
+    near = []
+    for option in options:
+        key = _plan_key(option)
+        if key in seen:
+            continue
+        seen.add(key)
+        estimate = evaluate(problem, option)
+        if estimate.fits:
+            near.append(Scored(option, estimate))
+    return near
 
 
 def _unique(pool: list[Scored]) -> list[Scored]:
@@ -320,7 +489,7 @@ def _unique(pool: list[Scored]) -> list[Scored]:
     seen: dict[tuple, Scored] = {}
     for s in pool:
         rule = s.cand.source if s.cand.source.startswith("baseline:") else ""
-        key = (s.cand.stages, s.cand.microbatches, s.cand.schedule, rule)
+        key = (s.cand.stages, s.cand.microbatches, s.cand.schedule, s.cand.recompute, rule)
         if key not in seen:
             seen[key] = s
     return list(seen.values())
@@ -332,7 +501,10 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
     module.stages = []
     for k, st in enumerate(cand.stages):
         ops = sorted((op for layer in module.layers[st.lo : st.hi] for op in layer.ops), key=position.__getitem__)
-        module.stages.append(Stage(f"s{k}", ops, StageAttrs(replicas=st.replicas, devices=st.devices)))
+        recompute = True if cand.recomputes(k) else None
+        module.stages.append(
+            Stage(f"s{k}", ops, StageAttrs(replicas=st.replicas, devices=st.devices, recompute=recompute))
+        )
     module.programs = []
     attrs = module.attrs
     attrs.global_batch = problem.global_batch
@@ -362,7 +534,12 @@ def _lowers_alike(a: Candidate, b: Candidate) -> bool:
     their simulations agree: the same stages and microbatches, and either schedules that order
     every replica's work the same way, or one stage whose replicas get equal shares of the
     microbatches on the same set of devices (the order of the devices then only renames ranks)."""
-    if a.microbatches != b.microbatches or len(a.stages) != len(b.stages) or a.virtual != b.virtual:
+    if (
+        a.microbatches != b.microbatches
+        or len(a.stages) != len(b.stages)
+        or a.virtual != b.virtual
+        or a.recompute != b.recompute
+    ):
         return False
     if a.stages != b.stages:
         if len(a.stages) != 1 or a.microbatches % a.stages[0].replicas:
@@ -467,11 +644,10 @@ class MemoryAdvice:
     tried: tuple[str, ...] = ()
     """Clusters the planner ran on and found no plan, smallest first."""
     recompute: str | None = None
-    """RECOMPUTATION: activation recomputation does not exist yet. Once it does, this names the flag
-    that makes the model fit on the given cluster by recomputing (a stage then keeps only its inputs
-    per microbatch in flight), confirmed by planning with it like every other answer; it is filled in
-    at the place marked RECOMPUTATION in `memory_advice`, and comes before the answers that change
-    the cluster or the microbatch count."""
+    """The flag that makes the model fit on the given cluster by recomputing (a stage then keeps only
+    its inputs per microbatch in flight), when the request ruled recomputation out and planning with
+    `recompute=auto` finds a plan; it comes before the answers that change the cluster or the
+    microbatch count."""
 
 
 def memory_advice(problem: Problem, req: Request, score: Score | None = None) -> MemoryAdvice:
@@ -489,9 +665,18 @@ def memory_advice(problem: Problem, req: Request, score: Score | None = None) ->
     cluster, g = problem.cluster, problem.global_batch
     kind, cap = cluster.device(0).name, problem.capacity(0)
     schedule = req.schedule or "1f1b"
-    needs = {m: lean.devices for m in _divisors(g) if (lean := leanest_plan(problem, m, schedule, req.stages))}
-    # RECOMPUTATION: once recomputation exists, plan with it here on `cluster` (as `first_that_plans`
-    # below does) and, when that plans, return MemoryAdvice(<its text>, cluster.name, recompute=<flag>).
+    rerun = req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES and (req.virtual or 1) == 1
+    needs = {
+        m: lean.devices
+        for m in _divisors(g)
+        if (lean := leanest_plan(problem, m, schedule, req.stages, recompute=rerun))
+    }
+    if req.recompute == "none" and _plans(problem, dataclasses.replace(req, recompute="auto"), score):
+        return MemoryAdvice(
+            f"It fits on {cluster.name} with --recompute auto (stages that do not fit recompute their forward).",
+            cluster.name,
+            recompute="auto",
+        )
     if not needs:
         return MemoryAdvice(_no_cluster_text(problem, req))
     least = min(needs.values())
@@ -591,10 +776,12 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
     lines = [
         f"plan: {problem.layers} layers, global batch {problem.global_batch}, cluster {problem.cluster.name} "
         f"({problem.cluster.num_devices} devices); {len(ranked)} fitting candidates, {len(rejected)} rejected",
-        f"{'#':>3}  {'source':<28} {'S':>3} {'replicas':<18} {'P':>3} {'policy':<13} {'M':>4} {'schedule':<8} "
-        f"{'model ms':>10} {'sim ms':>10} {'peak GB':>8} {'busiest link':<16} {'%':>3}  verdict",
+        f"{'#':>3}  {'source':<34} {'S':>3} {'replicas':<18} {'P':>3} {'policy':<13} {'M':>4} {'schedule':<8} "
+        f"{'model ms':>10} {'sim ms':>10} {'peak GB':>8} {'recompute':<12} {'busiest link':<16} {'%':>3}  verdict",
     ]
-    for k, s in enumerate([*ranked[:12], *rejected[:8]], start=1):
+    # The best dozen, and every baseline as proposed (a user compares against those first).
+    baselines = [s for s in ranked[12:] if s.cand.source.startswith("baseline:") and "~" not in s.cand.source]
+    for k, s in enumerate([*ranked[:12], *baselines, *rejected[:8]], start=1):
         c, e = s.cand, s.estimate
         reps = ",".join(str(r) for r in c.replicas)
         reps = reps if len(reps) <= 18 else reps[:15] + "..."
@@ -607,7 +794,10 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
             else "  -"
         )
         sim = f"{s.simulated_s * 1e3:10.3f}" if s.simulated_s is not None else f"{'-':>10}"
+        rc = c.recomputing()
+        rc = rc if len(rc) <= 12 else rc[:9] + "..."
         schedule = f"{c.schedule}/v{c.virtual}" if c.virtual > 1 else c.schedule
+        source = c.source if len(c.source) <= 34 else c.source[:31] + "..."
         if s is chosen:
             verdict = "CHOSEN"
         elif s.note.startswith("simulated peak"):
@@ -625,12 +815,13 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
             if s.note:
                 verdict += f" ({s.note})"
         lines.append(
-            f"{k:>3}  {c.source:<28} {len(c.stages):>3} {reps:<18} {c.pipelines:>3} {c.policy:<13} "
+            f"{k:>3}  {source:<34} {len(c.stages):>3} {reps:<18} {c.pipelines:>3} {c.policy:<13} "
             f"{c.microbatches:>4} {schedule:<8} {e.iteration_s * 1e3:10.3f} {sim} {e.peak_bytes / gb:8.2f} "
-            f"{link:<16} {share}  {verdict}"
+            f"{rc:<12} {link:<16} {share}  {verdict}"
         )
     cuts = ", ".join(
-        f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}" for k, st in enumerate(chosen.cand.stages)
+        f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}{' recomputing' if chosen.cand.recomputes(k) else ''}"
+        for k, st in enumerate(chosen.cand.stages)
     )
     lines.append(f"chosen: {cuts}")
     return lines

@@ -6,6 +6,8 @@ track so that communication overlaps compute wherever the instruction order allo
 Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `forward` / `backward`: the sum of the stage's op `fwd_s` / `bwd_s` (given for `cost_batch`
   samples) times b / cost_batch.
+- a recomputing stage (`recompute` on the stage) reruns its forward before the backward: `backward`
+  (or `backward_input` when split) takes the forward time on top;
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
   the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value.
 - `send` is an isend: its bytes start to flow over the path between the two devices
@@ -261,8 +263,10 @@ class _Simulator:
         for stage in module.stages:
             fwd = sum(op.attrs.fwd_s or 0.0 for op in stage.ops) * scale
             bwd = sum(op.attrs.bwd_s or 0.0 for op in stage.ops) * scale
-            self.fwd[stage], self.bwd[stage] = fwd, bwd
-            self.bwd_input[stage], self.bwd_weight[stage] = bwd * f, bwd * (1.0 - f)
+            # A recomputing stage reruns its forward right before the backward (or its input pass).
+            rerun = fwd if stage.recompute else 0.0
+            self.fwd[stage], self.bwd[stage] = fwd, bwd + rerun
+            self.bwd_input[stage], self.bwd_weight[stage] = bwd * f + rerun, bwd * (1.0 - f)
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         self.sizes = Sizes(module)
         self.network = Network(cluster)
