@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from dapple_ir import schedules
 from dapple_ir.ir import (
@@ -91,3 +92,17 @@ def reverse_gpipe_registered(name: str) -> Iterator[None]:
         yield
     finally:
         del schedules.SCHEDULES[name]
+
+
+def write_chain_profile(path: Path, layers: Sequence[tuple[float, float, float]]) -> Path:
+    """A profile in PipeDream's published format of a chain of layers, each given as (forward ms,
+    activation bytes, parameter bytes); the backward takes twice the forward. A `-pbs-N` in the file
+    name gives the profile's batch."""
+    lines = [
+        f"node{k} -- L{k} -- forward_compute_time={f}, backward_compute_time={2 * f}, activation_size={a}, "
+        f"parameter_size={p}"
+        for k, (f, a, p) in enumerate(layers)
+    ]
+    lines += [f"\tnode{k} -- node{k + 1}" for k in range(len(layers) - 1)]
+    path.write_text("\n".join(lines) + "\n")
+    return path

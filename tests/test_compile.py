@@ -10,6 +10,7 @@ import pytest
 from dapple_ir.cli import main
 from dapple_ir.sim.simulator import simulate
 from tests.paths import PROFILES
+from tests.pipeline_fixtures import write_chain_profile
 
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
 
@@ -21,15 +22,7 @@ def _compile(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> 
 
 
 def _profile(tmp_path: Path, layers: int, fwd_ms: float, params: float) -> Path:
-    lines = [
-        f"node{i} -- Linear -- forward_compute_time={fwd_ms}, backward_compute_time={2 * fwd_ms}, "
-        f"activation_size=1000000.0, parameter_size={params}"
-        for i in range(layers)
-    ]
-    lines += [f"\tnode{i} -- node{i + 1}" for i in range(layers - 1)]
-    path = tmp_path / "graph.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_chain_profile(tmp_path / "graph.txt", [(fwd_ms, 1e6, params)] * layers)
 
 
 def test_profile_plan_dir_is_complete_and_agrees_with_the_simulator(tmp_path: Path, capsys) -> None:

@@ -22,7 +22,7 @@ from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.registry import PassContext
-from tests.pipeline_fixtures import chain_module
+from tests.pipeline_fixtures import chain_module, write_chain_profile
 
 _FULL = "lower-comm,insert-frees,verify"
 
@@ -284,14 +284,7 @@ def _uniform_profile(tmp_path: Path, act_bytes: float, param_bytes: float) -> Mo
     """Four equal layers (F = 2 ms, B = 4 ms at the profile batch 8) of one chain, as a profile."""
     from dapple_ir.frontend.profile_import import import_profile
 
-    lines = [
-        f"node{k} -- L{k} -- forward_compute_time=2.0, backward_compute_time=4.0, activation_size={act_bytes}, "
-        f"parameter_size={param_bytes}"
-        for k in range(1, 5)
-    ]
-    lines += [f"\tnode{k} -- node{k + 1}" for k in range(1, 4)]
-    path = tmp_path / "uniform-pbs-8.txt"
-    path.write_text("\n".join(lines) + "\n")
+    path = write_chain_profile(tmp_path / "uniform-pbs-8.txt", [(2.0, act_bytes, param_bytes)] * 4)
     return import_profile(str(path))
 
 

@@ -18,6 +18,7 @@ from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.planner.cost_model import Problem, candidate, evaluate
 from dapple_ir.planner.memory_fit import leanest_plan, tightest_layer
 from dapple_ir.planner.search import MemoryAdvice, Request, memory_advice, search
+from tests.pipeline_fixtures import write_chain_profile
 
 GB = 1e9
 
@@ -221,14 +222,7 @@ def test_none_up_to_the_bound_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _profile(path: Path, layers: int, params: float, activation: float) -> Path:
-    lines = [
-        f"node{i} -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, "
-        f"activation_size={activation}, parameter_size={params}"
-        for i in range(layers)
-    ]
-    lines += [f"\tnode{i} -- node{i + 1}" for i in range(layers - 1)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_chain_profile(path, [(1.0, activation, params)] * layers)
 
 
 @pytest.mark.slow

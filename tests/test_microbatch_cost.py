@@ -27,6 +27,7 @@ from dapple_ir.planner.cost_model import Candidate, StageChoice, evaluate, probl
 from dapple_ir.registry import PassContext
 from dapple_ir.sim.simulator import simulate
 from tests.paths import PROFILES
+from tests.pipeline_fixtures import write_chain_profile
 
 KIND = DeviceKind("toy", 1e9, {"f32": 1e12}, 1e11, op_overhead=1e-4)
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
@@ -55,15 +56,8 @@ def test_every_gpu_preset_has_a_fixed_part() -> None:
 
 def _chain(tmp_path: Path, profile_batch: int = 8) -> Module:
     """A four-op chain profile at `profile_batch` samples: forward 1, 2, 0.01 and 3 ms, backward twice."""
-    forward_ms = [1.0, 2.0, 0.01, 3.0]
-    lines = [
-        f"node{k} -- L{k} -- forward_compute_time={f}, backward_compute_time={2 * f}, activation_size=1000.0, "
-        "parameter_size=1000.0"
-        for k, f in enumerate(forward_ms)
-    ]
-    lines += [f"\tnode{k} -- node{k + 1}" for k in range(len(forward_ms) - 1)]
-    path = tmp_path / f"chain-pbs-{profile_batch}.txt"
-    path.write_text("\n".join(lines) + "\n")
+    layers = [(f, 1000.0, 1000.0) for f in (1.0, 2.0, 0.01, 3.0)]
+    path = write_chain_profile(tmp_path / f"chain-pbs-{profile_batch}.txt", layers)
     module = import_profile(str(path))
     PassManager(build_pipeline("coarsen")).run(module)
     return module

@@ -41,6 +41,7 @@ from dapple_ir.passes.plan import write_costs_at_microbatch
 from dapple_ir.planner.cost_model import Candidate, StageChoice, problem_from_module
 from dapple_ir.planner.search import write_stages
 from dapple_ir.sim.simulator import SimulationResult, simulate
+from tests.pipeline_fixtures import write_chain_profile
 from tests.test_simulator import gpipe_order, pipeline_module
 
 F, B = InstrKind.FORWARD, InstrKind.BACKWARD
@@ -257,15 +258,7 @@ def lowered(module: Module, spec: ClusterSpec, cand: Candidate, global_batch: in
 
 def _chain_profile(tmp: Path, layers: list[tuple[float, float, float]]) -> Module:
     """A chain profile: per layer (forward ms, activation bytes, parameter bytes), backward 2x forward."""
-    lines = [
-        f"node{k} -- L{k} -- forward_compute_time={f}, backward_compute_time={2 * f}, activation_size={a}, "
-        f"parameter_size={p}"
-        for k, (f, a, p) in enumerate(layers)
-    ]
-    lines += [f"\tnode{k} -- node{k + 1}" for k in range(len(layers) - 1)]
-    path = tmp / "chain-pbs-8.txt"
-    path.write_text("\n".join(lines) + "\n")
-    module = import_profile(str(path))
+    module = import_profile(str(write_chain_profile(tmp / "chain-pbs-8.txt", layers)))
     PassManager(build_pipeline("coarsen")).run(module)
     return module
 

@@ -442,6 +442,7 @@ def _local_search(
 
 
 def _plan_key(cand: Candidate) -> tuple:
+    """What makes two candidates the same plan (the proposer aside)."""
     return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual)
 
 
@@ -489,7 +490,7 @@ def _unique(pool: list[Scored]) -> list[Scored]:
     seen: dict[tuple, Scored] = {}
     for s in pool:
         rule = s.cand.source if s.cand.source.startswith("baseline:") else ""
-        key = (s.cand.stages, s.cand.microbatches, s.cand.schedule, s.cand.recompute, rule)
+        key = (*_plan_key(s.cand), rule)
         if key not in seen:
             seen[key] = s
     return list(seen.values())
