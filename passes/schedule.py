@@ -37,27 +37,33 @@ class Schedule(Pass):
         m = self.microbatches or module.attrs.microbatches
         if not m or m < 1:
             raise ScheduleError("schedule: no microbatch count; give schedule{microbatches=M} or set the module's")
-        widest = max(module.stages, key=lambda s: s.replicas)
-        if m < widest.replicas:
+        widest = max(module.stages, key=lambda s: 0 if s.split else s.replicas)
+        if m < widest.replicas and not widest.split:
             raise ScheduleError(
                 f"schedule: stage @{widest.name} has {widest.replicas} replicas but there are only {m} microbatches; "
-                "each replica needs at least one (replica j runs microbatches m with m % replicas == j)"
+                "each replica needs at least one (replica j runs microbatches m with m % replicas == j); "
+                "or split each microbatch over the replicas (split = true on the stage)"
             )
         # Left unset, the kind is what `plan` chose for this module, so one pipeline string plans and lowers.
         kind = self.kind or (module.attrs.schedule if module.attrs.schedule in schedules.SCHEDULES else "1f1b")
         virtual = self.virtual or (_virtual_of(module.stages) if kind == "interleaved" else 1)
         _check_virtual(module.stages, virtual, m if kind == "interleaved" and not self.from_ else None)
         _set_batch_attrs(module, m)
+        _check_split(module)
         groups = len(module.stages) // virtual
         _place(module.stages, groups)
         device_slots = _device_slots(module.stages, groups)
-        request = schedules.ScheduleRequest(tuple(s.replicas for s in module.stages), m, virtual)
+        # Every replica of a split stage runs every microbatch (on its rows): the schedule sees one.
+        request = schedules.ScheduleRequest(tuple(1 if s.split else s.replicas for s in module.stages), m, virtual)
         if self.from_:
             orders = schedules.load_order_csv(self.from_, [s.name for s in module.stages])
             module.attrs.schedule = f"from:{self.from_}"
         else:
             by_slot = schedules.build_schedule(kind, request)
-            orders = {rank: by_slot.get(slot, []) for rank, (_device, slot) in enumerate(device_slots)}
+            orders = {
+                rank: by_slot.get((slot[0], 0) if module.stages[slot[0]].split else slot, [])
+                for rank, (_device, slot) in enumerate(device_slots)
+            }
             module.attrs.schedule = kind
         if set(orders) - set(range(len(device_slots))):
             extra = sorted(set(orders) - set(range(len(device_slots))))
@@ -115,6 +121,27 @@ def _set_batch_attrs(module: Module, m: int) -> None:
     elif attrs.microbatch_size:
         attrs.global_batch = attrs.microbatch_size * m
     attrs.microbatches = m
+
+
+def _check_split(module: Module) -> None:
+    """A split stage needs a row per replica; stages sharing devices (virtual stages) must slice alike."""
+    b = module.attrs.microbatch_size
+    for stage in module.stages:
+        if stage.split and b is not None and b < stage.replicas:
+            raise ScheduleError(
+                f"schedule: stage @{stage.name} splits each microbatch over {stage.replicas} replicas, but a "
+                f"microbatch has {b} samples; use at most {b} replicas, fewer microbatches (bigger ones), "
+                "or round robin (no split = true)"
+            )
+    groups: dict[tuple[int, ...], Stage] = {}
+    for stage in module.stages:
+        devices = stage.attrs.devices
+        lead = groups.setdefault(devices, stage) if devices is not None else stage
+        if lead.split != stage.split:
+            raise ScheduleError(
+                f"schedule: @{stage.name} and @{lead.name} share devices {list(devices or ())} but only one "
+                "splits its microbatches (split = true); stages on the same devices must replicate alike"
+            )
 
 
 def _place(stages: list[Stage], groups: int) -> None:

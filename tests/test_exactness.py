@@ -135,16 +135,23 @@ def _spec(tmp_path: Path, name: str, source: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("replicas", "kind"),
+    ("replicas", "kind", "split"),
     [
-        pytest.param(None, "1f1b", id="2-stages-2-ranks"),
-        pytest.param([1, 2], "gpipe", id="replicated-stage-3-ranks"),
-        pytest.param(None, "zb-h1", id="split-backward"),
+        pytest.param(None, "1f1b", False, id="2-stages-2-ranks"),
+        pytest.param([1, 2], "gpipe", False, id="replicated-stage-3-ranks"),
+        pytest.param(None, "zb-h1", False, id="split-backward"),
+        # Each replica draws its rows of the whole microbatch's masks: the single device's masks.
+        pytest.param([3, 1], "1f1b", True, id="microbatch-split-over-3-replicas"),
     ],
 )
-def test_dropout_training_equals_the_reference(tmp_path: Path, replicas: list[int] | None, kind: str) -> None:
+def test_dropout_training_equals_the_reference(
+    tmp_path: Path, replicas: list[int] | None, kind: str, split: bool
+) -> None:
     spec = _spec(tmp_path, "dropout", DROPOUT_MODEL)
-    plan = make_plan(tmp_path / "plan", spec, stages=2, replicas=replicas, kind=kind, optimizer="adam", lr=1e-2)
+    plan = make_plan(
+        tmp_path / "plan", spec, stages=2, replicas=replicas, kind=kind, optimizer="adam", lr=1e-2, split=split,
+        microbatch_size=3 if split else 2,
+    )  # fmt: skip
     result = run(plan, steps=3, check=True, transport="threads", timeout=30)
     assert result.check is not None and result.check.ok, result.check
     assert result.check.max_loss_diff <= ATOL
@@ -189,8 +196,10 @@ def test_a_different_seed_rule_in_the_pipeline_is_caught(tmp_path: Path, monkeyp
     plan = make_plan(tmp_path / "plan", spec, stages=2, optimizer="sgd", lr=0.05)
     seeded = StageDraws.run
 
-    def other_rule(self: StageDraws, gm: torch.fx.GraphModule, args: list, seed: int, step: int, mb: int) -> object:
-        return seeded(self, gm, args, seed + 1, step, mb)
+    def other_rule(
+        self: StageDraws, gm: torch.fx.GraphModule, args: list, seed: int, step: int, mb: int, rows: object = None
+    ) -> object:
+        return seeded(self, gm, args, seed + 1, step, mb, rows)  # type: ignore[arg-type]
 
     monkeypatch.setattr(StageDraws, "run", other_rule)
     result = run(plan, steps=1, check=True, transport="threads", timeout=30)

@@ -44,9 +44,11 @@ def make_plan(
     optimizer: str = "sgd",
     lr: float = 0.05,
     recompute: tuple[int, ...] = (),
+    split: bool = False,
 ) -> Path:
     """A plan directory for `spec`: ops split into stages*virtual contiguous chunks, lowered by the passes
-    (the stages numbered in `recompute` recompute their forward)."""
+    (the stages numbered in `recompute` recompute their forward; with `split`, replicated stages split
+    each microbatch over their replicas)."""
     loaded = load_model_spec(spec, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)
     module = capture_loaded(loaded).module
@@ -61,7 +63,12 @@ def make_plan(
         Stage(
             f"s{k}",
             chunks[k],
-            StageAttrs(replicas=reps[k % stages], devices=devices[k % stages], recompute=(k in recompute) or None),
+            StageAttrs(
+                replicas=reps[k % stages],
+                devices=devices[k % stages],
+                split=split or None,
+                recompute=(k in recompute) or None,
+            ),
         )
         for k in range(n)
     ]

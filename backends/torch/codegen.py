@@ -71,11 +71,16 @@ def rank_source(module: Module, program: RankProgram, rank: int, namer: Namer, d
 
 
 def _releasing_sends(program: RankProgram) -> set[int]:
-    """Indices of the sends after which the rank lets go of a recomputing stage's output: the last send
-    of each (value, microbatch) a recomputing stage here computes and no other stage here reads. Its
-    backward reruns the forward and makes the outputs again, so nothing of its forward is kept."""
+    """Indices of the sends after which the rank lets go of what it sent: the last send of each (value,
+    microbatch) a recomputing stage here computes and no other stage here reads (its backward reruns the
+    forward and makes the outputs again, so nothing of its forward is kept), and the last piece of each
+    gradient sent back in pieces to a split stage's replicas."""
     hosted = {instr.stage for instr in program.instrs if instr.kind is InstrKind.FORWARD and instr.stage is not None}
     last: dict[tuple[Op, int | None], int] = {}
+    pieces: dict[tuple[Op, int | None], int] = {}
+    for index, instr in enumerate(program.instrs):
+        if instr.kind is InstrKind.SEND and instr.grad and instr.rows is not None and instr.value is not None:
+            pieces[(instr.value, instr.mb)] = index
     for stage in hosted:
         if not stage.recompute:
             continue
@@ -84,7 +89,7 @@ def _releasing_sends(program: RankProgram) -> set[int]:
         for index, instr in enumerate(program.instrs):
             if instr.kind is InstrKind.SEND and not instr.grad and instr.value in made - read_here:
                 last[(instr.value, instr.mb)] = index
-    return set(last.values())
+    return set(last.values()) | set(pieces.values())
 
 
 def _body(instrs: list[Instr], namer: Namer, posts: dict[int, list[Instr]], releases: set[int]) -> Iterator[str]:
@@ -186,7 +191,8 @@ def _call(instr: Instr, namer: Namer, method: str = "") -> str:
     if kind in COMPUTE_KINDS:
         return f"rt.{kind.value}({stage}, mb={instr.mb})"
     if kind in (InstrKind.SEND, InstrKind.RECV):
-        return f"rt.{method or kind.value}({value}, mb={instr.mb}, peer={instr.peer}{grad})"
+        rows = f", rows={instr.rows!r}" if instr.rows is not None else ""
+        return f"rt.{method or kind.value}({value}, mb={instr.mb}, peer={instr.peer}{grad}{rows})"
     if kind is InstrKind.FREE and instr.stage is not None:
         return f"rt.free_stage({stage}, mb={instr.mb})"
     if kind is InstrKind.FREE:

@@ -864,7 +864,10 @@ def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int,
     per_step: dict[int, dict[int, float]] = {}
     for report in reports.values():
         for step, mbs in report["losses"].items():
-            per_step.setdefault(int(step), {}).update({int(m): v for m, v in mbs.items()})
+            # Each replica of a split loss stage reports its share of a microbatch's loss: they add up.
+            found = per_step.setdefault(int(step), {})
+            for m, v in mbs.items():
+                found[int(m)] = found.get(int(m), 0.0) + v
     steps = sorted(per_step)
     losses = []
     for step in steps:

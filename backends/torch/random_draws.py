@@ -47,16 +47,65 @@ def draw_seed(seed: int, step: int, mb: int, site: Site) -> int:
 class SeededDraws(TorchDispatchMode):
     """Runs every random ATen call with the generator of its site; other calls pass through."""
 
-    def __init__(self, seed: int, step: int, mb: int, next_site: Callable[[], Site]) -> None:
+    def __init__(self, seed: int, step: int, mb: int, next_site: Callable[[], Site], rows: Rows | None = None) -> None:
         super().__init__()
         self.seed, self.step, self.mb = seed, step, mb
         self.next_site = next_site
+        self.rows = rows
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not _draws(func, args, kwargs):
             return func(*args, **kwargs)
-        return _seeded_call(func, args, kwargs, draw_seed(self.seed, self.step, self.mb, self.next_site()))
+        seed = draw_seed(self.seed, self.step, self.mb, self.next_site())
+        if self.rows is not None:
+            return _rows_of_call(func, args, kwargs, seed, self.rows)
+        return _seeded_call(func, args, kwargs, seed)
+
+
+Rows = tuple[int, int, int]
+"""(lo, hi, b): a split stage's replica runs rows [lo, hi) of a microbatch of b samples."""
+
+
+def _rows_of_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, rows: Rows) -> Any:
+    """A draw on rows [lo, hi) of the microbatch: the draw of the whole microbatch (b rows), cut to them.
+
+    Random numbers fill a tensor in order, so rows lo..hi of a draw over all b rows are what one device
+    running the whole microbatch draws there: a split replica's dropout masks equal the single device's.
+    Tensors and sizes whose dimension 0 is the replica's hi - lo rows are widened to b (zeros elsewhere);
+    results with b rows are cut back, and a tensor drawn into in place gets its rows of the wide draw.
+    """
+    lo, hi, b = rows
+    n = hi - lo
+    if n == b:
+        return _seeded_call(func, args, kwargs, seed)
+    wide: dict[int, torch.Tensor] = {}
+
+    def widen(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            full = value.new_zeros((b, *value.shape[1:]))
+            full[lo:hi] = value
+            wide[id(full)] = value
+            return full
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value) and value[0] == n:
+            return type(value)([b, *value[1:]])
+        return value
+
+    result = _seeded_call(func, tuple(widen(a) for a in args), {k: widen(v) for k, v in kwargs.items()}, seed)
+
+    def narrow(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in wide:
+            # Drawn into in place: the caller's tensor gets its rows of the wide draw.
+            original = wide[id(value)]
+            original.copy_(value[lo:hi])
+            return original
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == b:
+            return value[lo:hi].clone()
+        if isinstance(value, tuple):
+            return tuple(narrow(v) for v in value)
+        return value
+
+    return narrow(result)
 
 
 def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -96,7 +145,9 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
 
 
 @contextmanager
-def drawing_in_order(seed: int, step: int, mb: int, sites: list[Site], what: str) -> Iterator[None]:
+def drawing_in_order(
+    seed: int, step: int, mb: int, sites: list[Site], what: str, rows: Rows | None = None
+) -> Iterator[None]:
     """Seed the draws of one forward with `sites`, in order; all of them and no more must be drawn.
 
     `what` names the forward in the error (a stage, or the reference model).
@@ -113,7 +164,7 @@ def drawing_in_order(seed: int, step: int, mb: int, sites: list[Site], what: str
         taken += 1
         return sites[taken - 1]
 
-    with SeededDraws(seed, step, mb, next_site):
+    with SeededDraws(seed, step, mb, next_site, rows):
         yield
     if taken != len(sites):
         raise DappleError(
@@ -131,16 +182,25 @@ class StageDraws:
         self.sites: list[Site] | None = None
         """None until the first forward; then its draws in order (empty for a stage that draws nothing)."""
 
-    def run(self, graph_module: torch.fx.GraphModule, args: list[Any], seed: int, step: int, mb: int) -> Any:
+    def run(
+        self,
+        graph_module: torch.fx.GraphModule,
+        args: list[Any],
+        seed: int,
+        step: int,
+        mb: int,
+        rows: Rows | None = None,
+    ) -> Any:
+        """The stage's forward on `args` with seeded draws (on `rows` of the microbatch: `_rows_of_call`)."""
         if self.sites is None:
             recorder = _SiteRecorder(graph_module)
-            with SeededDraws(seed, step, mb, recorder.next_site):
+            with SeededDraws(seed, step, mb, recorder.next_site, rows):
                 results = recorder.run(*args)
             self.sites = recorder.sites
             return results
         if not self.sites:
             return graph_module(*args)
-        with drawing_in_order(seed, step, mb, self.sites, self.what):
+        with drawing_in_order(seed, step, mb, self.sites, self.what, rows):
             return graph_module(*args)
 
 

@@ -93,6 +93,8 @@ class StepData:
     input_index: dict[str, int]
     """Position in the flat tuple of each IR input op."""
     microbatch_size: int
+    rows: tuple[int, int] | None = None
+    """The rows of each microbatch this rank's stages compute (a split stage's replica), None: all."""
     _step: int = -1
     _flat: tuple[Any, ...] = ()
 
@@ -100,6 +102,8 @@ class StepData:
         if step != self._step:
             self._flat, self._step = self.batch_of_step(step), step
         part = microbatch((self._flat[self.input_index[name]],), mb, self.microbatch_size)[0]
+        if self.rows is not None and isinstance(part, torch.Tensor) and part.dim() > 0:
+            part = part[self.rows[0] : self.rows[1]]
         # A copy, not a view: a view would keep (and the memory meter would count) the whole global
         # batch alive for as long as the runtime holds this microbatch.
         return part.clone() if isinstance(part, torch.Tensor) else part
@@ -130,6 +134,7 @@ class Runtime:
         seed: int = 0,
         record_grads: bool = False,
         recompute: set[str] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -143,6 +148,15 @@ class Runtime:
         self.seed = seed
         self.record_grads = record_grads
         self.recompute = recompute or set()
+        self.rows = rows
+        """Rows [lo, hi) of each microbatch this rank's stages compute when they split microbatches over
+        their replicas (`StageAttrs.split`); None: whole microbatches."""
+        # A split replica's loss is the mean over its rows: weighted by its share of the microbatch, the
+        # replicas' losses (and so their summed gradients) add up to the microbatch's.
+        self.loss_share = (rows[1] - rows[0]) / data.microbatch_size if rows is not None else 1.0
+        self._draw_rows = (*rows, data.microbatch_size) if rows is not None else None
+        self.parts: dict[tuple[str, int], list[tuple[int, Any]]] = {}
+        """Received pieces (rows lo.., tensor) of values a split boundary re-slices, joined at first use."""
         """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
         self.draws = {name: StageDraws(f"stage @{name}") for name in stages}
         self.recorded_grads: dict[int, dict[str, torch.Tensor]] = {}
@@ -164,10 +178,10 @@ class Runtime:
         self.records: dict[tuple[str, int], _Record] = {}
         self.pending: list[Pending] = []
         self._sends: list[tuple[Any, int, int]] = []
-        self._posts: list[tuple[tuple[str, int, bool], int, int]] = []
+        self._posts: list[tuple[tuple[str, int, bool, int], int, int]] = []
         """Sends and posts not yet issued: a run of them goes out together (`_issue`) before the next other call."""
-        self.posted: dict[tuple[str, int, bool], PendingRecv] = {}
-        """Receives posted ahead of their `recv` (`post_recv`), by (value, mb, grad)."""
+        self.posted: dict[tuple[str, int, bool, int], PendingRecv] = {}
+        """Receives posted ahead of their `recv` (`post_recv`), by (value, mb, grad, peer)."""
         self.post_log: list[tuple[int, str, int, bool]] = []
         """This step's posts: (index of the instruction they were posted before, value, mb, grad)."""
         self.reduced: set[tuple[int, tuple[int, ...]]] = set()
@@ -196,7 +210,7 @@ class Runtime:
             pending.wait(self.timeout)
         self.pending.clear()
         if self.posted:
-            left = ", ".join(f"%{v} mb = {mb}" + (" (grad)" if g else "") for v, mb, g in self.posted)
+            left = ", ".join(f"%{v} mb = {mb}" + (" (grad)" if g else "") for v, mb, g, _ in self.posted)
             self.posted.clear()
             raise DappleError(f"rank {self.rank}, step {self.step}: receives posted but never received: {left}")
         self._check_losses()
@@ -204,6 +218,7 @@ class Runtime:
         self.values.clear()
         self.grads.clear()
         self.records.clear()
+        self.parts.clear()
         if self.device.type == "cuda":
             # The one host wait of a step, after it: the step ends when the GPU is done with it.
             torch.cuda.synchronize(self.device)
@@ -225,7 +240,8 @@ class Runtime:
                     f"microbatch {mb} at step {self.step} is {value} (stage @{stage}); training diverged (lower "
                     "the learning rate) or the data holds NaN/inf"
                 )
-            self.losses.setdefault(self.step, {})[mb] = value
+            # A split replica's share of the microbatch loss: the launcher adds the replicas' shares up.
+            self.losses.setdefault(self.step, {})[mb] = value if self.rows is None else value * self.loss_share
 
     # ------------------------------------------------------------------------------ instructions
 
@@ -245,7 +261,7 @@ class Runtime:
                 # anyway) and the forward reruns with grad right before it (`_rerun`).
                 rec.args = args
                 with torch.no_grad():
-                    results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
+                    results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb, self._draw_rows)
             else:
                 results = self._run_saving(stage, sm, args, mb, rec)
             for name, value in zip(sm.outputs, results, strict=False):
@@ -256,7 +272,7 @@ class Runtime:
                 # Kept as a tensor and read after the step (`_check_losses`): no host sync mid-pipeline.
                 self._step_losses.append((stage, mb, loss.detach()))
                 # Scaling each microbatch by 1/M makes the summed gradients those of the global batch.
-                rec.loss = loss / self.microbatches
+                rec.loss = self._scaled(loss)
             self.records[(stage, mb)] = rec
 
     def _run_saving(self, stage: str, sm: StageModule, args: list[Any], mb: int, rec: _Record) -> Any:
@@ -268,7 +284,7 @@ class Runtime:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb)
+            return self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb, self._draw_rows)
 
     def _rerun(self, stage: str, mb: int, rec: _Record) -> None:
         """A recomputing stage's forward again, with grad, on the same inputs and the same random draws
@@ -288,7 +304,7 @@ class Runtime:
         for name, value in zip(sm.outputs, results, strict=False):
             rec.outputs[name] = value
         if sm.has_loss:
-            rec.loss = results[-1] / self.microbatches
+            rec.loss = self._scaled(results[-1])
         if self.device.type != "cuda":
             # The rerun's activations live only inside this backward: count them in the peak here.
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
@@ -351,27 +367,38 @@ class Runtime:
                     torch.autograd.backward(wp.roots, wp.grads, retain_graph=True, inputs=wp.params)
             self._release(stage, mb, rec)
 
-    def send(self, value: str, mb: int, peer: int, grad: bool = False, release: bool = False) -> None:
-        """Send `value` (or its gradient) of microbatch `mb` to `peer`; with `release` (the last send of a
-        recomputing stage's output, `codegen`), the rank lets go of it: the rerun forward makes it again."""
+    def send(
+        self,
+        value: str,
+        mb: int,
+        peer: int,
+        grad: bool = False,
+        rows: tuple[int, int] | None = None,
+        release: bool = False,
+    ) -> None:
+        """Send `value` (or its gradient) of microbatch `mb` to `peer`, only its `rows` of the microbatch
+        where given (a split boundary); with `release` (the last send of a recomputing stage's output, or of
+        a gradient sent in pieces: `codegen`), the rank lets go of it."""
         with self._instr("send", None, mb, peer):
             payload = self._grad_to_send(value, mb) if grad else self._value(value, mb, "send")
             if isinstance(payload, torch.Tensor):
                 payload = payload.detach()
+                if rows is not None:
+                    payload = payload[self._local(rows, payload, value, mb)]
             self._sends.append((payload, peer, self._tag(value, mb, grad)))
             if release and not grad:
                 self.values.pop((value, mb), None)
                 for (_stage, m), rec in self.records.items():
                     if m == mb and rec.args is not None:
                         rec.outputs.pop(value, None)
-            if grad:
-                # A value's gradient goes back to its one producer: once sent, this rank is done with it
-                # (the transport keeps the payload alive until the send completes).
+            if grad and (rows is None or release):
+                # A value's gradient goes back to its one producer (its replicas, in pieces: after the
+                # last): once sent, this rank is done with it (the transport keeps the payload alive).
                 self.grads.pop((value, mb), None)
 
-    def recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+    def recv(self, value: str, mb: int, peer: int, grad: bool = False, rows: tuple[int, int] | None = None) -> None:
         with self._instr("recv", None, mb, peer):
-            key = (value, mb, grad)
+            key = (value, mb, grad, peer)
             if key in self.posted or any(queued == key for queued, _, _ in self._posts):
                 self._issue()  # the sends and posts before it go out before this rank waits
                 posted = self.posted.pop(key)
@@ -382,18 +409,22 @@ class Runtime:
                 pending, (posted,) = self.transport.exchange(sends, [(peer, self._tag(value, mb, grad))])
                 self.pending.extend(pending)
             payload = self._to_device(posted.wait(self.timeout))
-            if not grad:
+            if rows is not None and isinstance(payload, torch.Tensor):
+                self._piece(value, mb, grad, rows, payload)
+            elif not grad:
                 self.values[(value, mb)] = payload
             elif payload is not None:  # None: the gradient of a non-tensor (a size), which has none
                 self._add_grad(value, mb, payload)
 
-    def post_recv(self, value: str, mb: int, peer: int, grad: bool = False) -> None:
+    def post_recv(
+        self, value: str, mb: int, peer: int, grad: bool = False, rows: tuple[int, int] | None = None
+    ) -> None:
         """Post the receive of a later `recv` now, so the transfer lands while this rank computes.
 
         Not an instruction of the program (it takes no index and no span): where it goes is
         `peak_memory.recv_posts`'s answer, and the rank file calls it right before that instruction.
         """
-        key = (value, mb, grad)
+        key = (value, mb, grad, peer)
         if key in self.posted or any(key == queued for queued, _, _ in self._posts):
             raise DappleError(f"rank {self.rank}: the receive of %{value} mb = {mb} is posted twice")
         self._posts.append((key, peer, self._tag(value, mb, grad)))
@@ -415,6 +446,8 @@ class Runtime:
         with self._instr("free", None, mb, None):
             store: dict[tuple[str, int], Any] = self.grads if grad else self.values
             store.pop((value, mb), None)
+            if not grad:
+                self.parts.pop((value, mb), None)
 
     def free_stage(self, stage: str, mb: int) -> None:
         with self._instr("free", stage, mb, None):
@@ -531,6 +564,8 @@ class Runtime:
         return leaf
 
     def _value(self, name: str, mb: int, user: str) -> Any:
+        if (name, mb) not in self.values and (name, mb) in self.parts:
+            self.values[(name, mb)] = self._joined(name, mb, user)
         if (name, mb) not in self.values:
             raise DappleError(f"{user} needs %{name} of microbatch {mb}, which was neither received nor computed here")
         return self.values[(name, mb)]
@@ -548,6 +583,41 @@ class Runtime:
             outs.append(out)
             grads.append(g)
         return outs, grads
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.microbatches if self.rows is None else loss * (self.loss_share / self.microbatches)
+
+    def _local(self, rows: tuple[int, int], tensor: torch.Tensor, value: str, mb: int) -> slice:
+        """Where microbatch rows [lo, hi) sit in this rank's part of `value` (it holds rows from its own lo)."""
+        start = self.rows[0] if self.rows is not None else 0
+        lo, hi = rows[0] - start, rows[1] - start
+        if lo < 0 or hi > tensor.shape[0]:
+            raise DappleError(
+                f"rank {self.rank}: rows {rows[0]}:{rows[1]} of %{value} mb = {mb} are not all here: this rank holds "
+                f"rows {start}:{start + tensor.shape[0]} (dimension 0 is {tensor.shape[0]})"
+            )
+        return slice(lo, hi)
+
+    def _piece(self, value: str, mb: int, grad: bool, rows: tuple[int, int], payload: torch.Tensor) -> None:
+        """Keep a received piece: a value's, to join at first use; a gradient's, added into its rows here."""
+        if not grad:
+            self.parts.setdefault((value, mb), []).append((rows[0], payload))
+            return
+        lo, hi = self.rows or (0, self.data.microbatch_size)
+        full = payload.new_zeros((hi - lo, *payload.shape[1:]))
+        full[self._local(rows, full, value, mb)] = payload
+        self._add_grad(value, mb, full)
+
+    def _joined(self, name: str, mb: int, user: str) -> Any:
+        """The pieces of a re-sliced value, joined in row order: this rank's rows of it."""
+        pieces = sorted(self.parts.pop((name, mb)), key=lambda piece: piece[0])
+        joined = torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
+        lo, hi = self.rows or (0, self.data.microbatch_size)
+        if joined.shape[0] != hi - lo:
+            raise DappleError(
+                f"{user} needs rows {lo}:{hi} of %{name} mb = {mb}, but the pieces received hold {joined.shape[0]}"
+            )
+        return joined
 
     def _add_grad(self, name: str, mb: int, g: torch.Tensor) -> None:
         key = (name, mb)

@@ -124,6 +124,15 @@ def prepare_model(plan: Plan) -> Prepared:
             f"`dapple compile {plan.model_spec} ...` (or run the model the plan was compiled from)"
         )
     batch = prepared.captured_module.attrs.batch
+    b = plan.microbatch_size
+    sliced = {hi - lo for s in plan.module.stages for lo, hi in (s.rows(j, b) for j in range(s.replicas))}
+    if not prepared.any_batch and sliced != {batch}:
+        raise DappleError(
+            f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could not "
+            f"keep dimension 0 symbolic, so the plan's stages cannot run on {sorted(sliced)} rows of a microbatch "
+            f"of {plan.microbatch_size}; let the model read the batch size from its inputs, or give the factory "
+            "example inputs of that many rows and compile again"
+        )
     if not prepared.any_batch and batch != plan.microbatch_size:
         raise DappleError(
             f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could not "
@@ -209,10 +218,12 @@ def build_runtime(
         stages[name] = split_stage(graph_module, name, nodes[name], names)
     del model, graph_module
     value_ids = {op.name: i for i, op in enumerate(plan.module.ops)}
+    rows = split_rows(plan.module, rank, plan.microbatch_size)
     data = StepData(
         lambda step: prepared.batch_of_step(step, plan.global_batch, plan.seed),
         prepared.input_index,
         plan.microbatch_size,
+        rows,
     )
     return Runtime(
         rank,
@@ -229,7 +240,20 @@ def build_runtime(
         seed=plan.seed,
         record_grads=options.check,
         recompute={s.name for s in plan.module.stages if s.recompute},
+        rows=rows,
     )
+
+
+def split_rows(module: Module, rank: int, microbatch_size: int) -> tuple[int, int] | None:
+    """The rows of each microbatch rank `rank`'s stages compute when they split microbatches over their
+    replicas (`StageAttrs.split`), else None; every stage a rank hosts must slice alike."""
+    program = module.programs[rank]
+    replica = program.attrs.replica or 0
+    found = {module.stage(name).rows(replica, microbatch_size) for name in hosted_stages(module, rank)}
+    if len(found) > 1:
+        raise DappleError(f"rank {rank} hosts stages that take different rows of a microbatch: {sorted(found)}")
+    rows = found.pop() if found else (0, microbatch_size)
+    return None if rows == (0, microbatch_size) else rows
 
 
 def check_rank_file(plan: Plan, rank: int) -> str:

@@ -13,13 +13,30 @@ for one stage per rank that is right after its last backward, as in DAPPLE); a p
 stages is left out of those and summed by one `allreduce param @p` over every rank holding it; then the
 single `optimizer_step`. Collectives only after the last compute: an allreduce never waits on a rank that
 waits on a recv.
+
+A round-robin replica holds the microbatches m with m % R == its index, whole. Every replica of a split
+stage (`split = true`) holds its rows of every microbatch (`Stage.rows`), so a boundary where either side
+splits re-slices the batch: each consumer replica receives, from each producer replica, the rows both
+hold (`send %h mb = m rows = lo:hi`), and sends their gradient back the same way; the receiver joins the
+pieces in row order. A crossing value without the batch in dimension 0 is sent whole, from producer
+replica k % R_p to consumer replica k, when it does not depend on the data (a mask, a position table);
+one that does cannot be sliced, and the lowering refuses the split.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-from dapple_ir.analysis.stage_graph import Crossing, crossings, tied_params, values_needing_grad
+from dapple_ir.analysis.stage_graph import (
+    Crossing,
+    batch_dependent,
+    batch_statistics,
+    batched,
+    crossings,
+    tied_params,
+    values_needing_grad,
+)
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage
 
@@ -29,9 +46,20 @@ def lowered_programs(module: Module) -> list[RankProgram]:
     return _Lowering(module).run()
 
 
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One transfer of a crossing value for one microbatch: from rank `src` to rank `dst`, the `rows` of
+    the microbatch both hold (split stages), or the whole value (None)."""
+
+    src: int
+    dst: int
+    rows: tuple[int, int] | None
+
+
 class _Lowering:
     def __init__(self, module: Module) -> None:
         self.module = module
+        self.b = module.attrs.microbatch_size or 0
         self.rank_of: dict[tuple[str, int], int] = {}
         for index, program in enumerate(module.programs):
             for name in program.attrs.stages or ():
@@ -46,12 +74,60 @@ class _Lowering:
         self.tied = tied_params(module)
         self.loads = {s for s in module.stages if any(op.kind is OpKind.INPUT for op in s.ops)}
         self.loads |= {s for s in module.stages for op in s.ops for v in op.operands if v.kind is OpKind.INPUT}
+        self.split = any(s.split for s in module.stages)
+        if self.split and not self.b:
+            raise ScheduleError("lower-comm: split stages need the microbatch size; run schedule first")
+        self.dependent = batch_dependent(module) if self.split else set()
+        for stage in module.stages:
+            coupled = batch_statistics(stage.ops) if stage.split else []
+            if coupled:
+                raise ScheduleError(
+                    f"lower-comm: stage @{stage.name} splits each microbatch over its {stage.replicas} replicas, but "
+                    f"%{coupled[0].name} normalises over the batch (batch norm): each replica would normalise its "
+                    "rows alone, unlike one device on the whole microbatch; replicate this stage round robin"
+                )
+        self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
 
-    def peer(self, stage: Stage, mb: int) -> int:
-        key = (stage.name, mb % stage.replicas)
+    def peer(self, stage: Stage, replica: int) -> int:
+        key = (stage.name, replica % stage.replicas)
         if key not in self.rank_of:
             raise ScheduleError(f"lower-comm: no rank hosts replica {key[1]} of stage @{stage.name}")
         return self.rank_of[key]
+
+    def holders(self, stage: Stage, mb: int) -> list[tuple[int, int, int]]:
+        """(rank, lo, hi) of each replica of `stage` that computes rows [lo, hi) of microbatch `mb`."""
+        if not stage.split:
+            return [(self.peer(stage, mb), 0, self.b)]
+        return [(self.peer(stage, j), *stage.rows(j, self.b)) for j in range(stage.replicas)]
+
+    def pieces(self, c: Crossing, mb: int) -> list[_Piece]:
+        """The transfers that bring `c.value` of microbatch `mb` from the producer's replicas to the consumer's."""
+        found = self.memo.get((c, mb))
+        if found is not None:
+            return found
+        found = []
+        if not (c.producer.split or c.consumer.split):
+            found.append(_Piece(self.peer(c.producer, mb), self.peer(c.consumer, mb), None))
+        elif batched(self.module, c.value):
+            # Re-slice the batch: each consumer replica gets the rows it shares with each producer replica.
+            for dst, clo, chi in self.holders(c.consumer, mb):
+                for src, plo, phi in self.holders(c.producer, mb):
+                    lo, hi = max(clo, plo), min(chi, phi)
+                    if lo < hi:
+                        found.append(_Piece(src, dst, (lo, hi)))
+        elif c.value in self.dependent:
+            raise ScheduleError(
+                f"lower-comm: %{c.value.name} crosses from @{c.producer.name} to @{c.consumer.name} and depends "
+                f"on the batch, but its dimension 0 is not the batch ({c.value.type}), so the replicas of a split "
+                "stage cannot slice it; replicate these stages round robin (no split = true)"
+            )
+        else:
+            # The same on every replica (it does not depend on the data): each consumer replica takes it whole.
+            producers = self.holders(c.producer, mb)
+            for k, (dst, _lo, _hi) in enumerate(self.holders(c.consumer, mb)):
+                found.append(_Piece(producers[k % len(producers)][0], dst, None))
+        self.memo[(c, mb)] = found
+        return found
 
     def run(self) -> list[RankProgram]:
         return [
@@ -100,39 +176,39 @@ class _Lowering:
     def recvs(self, rank: int, index: int, stage: Stage, mb: int, first_use: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
         for c in self.into[stage]:
-            src = self.peer(c.producer, mb)
-            if src != rank and first_use[(c.value, mb)] == index and not any(i.value is c.value for i in out):
-                out.append(Instr(InstrKind.RECV, value=c.value, mb=mb, peer=src))
+            if first_use[(c.value, mb)] != index:
+                continue
+            for p in self.pieces(c, mb):
+                if p.dst == rank and p.src != rank:
+                    _add(out, Instr(InstrKind.RECV, value=c.value, mb=mb, peer=p.src, rows=p.rows))
         return out
 
     def sends(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
         for c in self.out_of[stage]:
-            dst = self.peer(c.consumer, mb)
-            if dst == rank:
-                continue
-            if not any(i.value is c.value and i.peer == dst for i in out):
-                out.append(Instr(InstrKind.SEND, value=c.value, mb=mb, peer=dst))
+            for p in self.pieces(c, mb):
+                if p.src == rank and p.dst != rank:
+                    _add(out, Instr(InstrKind.SEND, value=c.value, mb=mb, peer=p.dst, rows=p.rows))
         return out
 
     def grad_recvs(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
         for c in self.out_of[stage]:
-            src = self.peer(c.consumer, mb)
-            if src == rank or c.value not in self.grads:
+            if c.value not in self.grads:
                 continue
-            if not any(i.value is c.value and i.peer == src for i in out):
-                out.append(Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=src))
+            for p in self.pieces(c, mb):
+                if p.src == rank and p.dst != rank:
+                    _add(out, Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=p.dst, rows=p.rows))
         return out
 
     def grad_sends(self, rank: int, index: int, stage: Stage, mb: int, last_grad: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
         for c in self.into[stage]:
-            dst = self.peer(c.producer, mb)
-            if dst == rank or c.value not in self.grads:
+            if c.value not in self.grads or last_grad[(c.value, mb)] != index:
                 continue
-            if last_grad[(c.value, mb)] == index and not any(i.value is c.value for i in out):
-                out.append(Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=dst))
+            for p in self.pieces(c, mb):
+                if p.dst == rank and p.src != rank:
+                    _add(out, Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=p.src, rows=p.rows))
         return out
 
     def stage_allreduces(self, program: RankProgram) -> list[Instr]:
@@ -154,6 +230,12 @@ class _Lowering:
             if rank in group and len(group) > 1:
                 out.append(Instr(InstrKind.ALLREDUCE, param=name, group=tuple(sorted(group))))
         return out
+
+
+def _add(out: list[Instr], instr: Instr) -> None:
+    """Append a transfer unless `out` already has it (a value two stages of the rank read, or send back)."""
+    if not any(i.value is instr.value and i.peer == instr.peer and i.rows == instr.rows for i in out):
+        out.append(instr)
 
 
 #: What may sit between a compute and the receives posted after it: the compute's own sends and frees go first.

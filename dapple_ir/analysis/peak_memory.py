@@ -27,12 +27,39 @@ from dapple_ir.analysis.lowering import early_post_points
 from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
 
 
-def transfer_bytes(module: Module, value: Op) -> float:
-    """Bytes of `value` for one microbatch: `out_bytes` is at the module's batch, scale it to b."""
+def transfer_bytes(module: Module, value: Op, rows: tuple[int, int] | None = None) -> float:
+    """Bytes of `value` for one microbatch (`out_bytes` is at the module's batch, scaled to b), or for
+    its `rows` of the microbatch (a piece a split stage sends or receives)."""
     b, batch = module.attrs.microbatch_size, module.attrs.batch
     if not b or not batch:
         return value.out_bytes
-    return value.out_bytes * b / batch
+    n = rows[1] - rows[0] if rows is not None else b
+    return value.out_bytes * n / batch
+
+
+def replica_rows(module: Module, replica: int) -> Callable[[Stage], tuple[int, int]]:
+    """The rows [lo, hi) of each microbatch that replica `replica` of a stage computes (`Stage.rows`):
+    all b of them unless the stage splits its microbatches."""
+    b = module.attrs.microbatch_size or 0
+
+    def rows(stage: Stage) -> tuple[int, int]:
+        return stage.rows(replica, b) if b else (0, 0)
+
+    return rows
+
+
+def _share(module: Module, replica: int) -> Callable[[Stage], float]:
+    """Fraction of each microbatch a replica's stages compute: what scales their activations."""
+    b = module.attrs.microbatch_size or 0
+    rows = replica_rows(module, replica)
+
+    def share(stage: Stage) -> float:
+        if not stage.split or not b:
+            return 1.0
+        lo, hi = rows(stage)
+        return (hi - lo) / b
+
+    return share
 
 
 def weight_pass_bytes(module: Module, stage: Stage) -> float:
@@ -139,6 +166,14 @@ class Sizes:
     def transferred(self, value: Op) -> float:
         return _memo(self.transfer, value, lambda: transfer_bytes(self.module, value))
 
+    def moved(self, instr: Instr) -> float:
+        """Bytes a send or recv moves: its value's, or the share of them its `rows` hold."""
+        assert instr.value is not None
+        whole = self.transferred(instr.value)
+        if instr.rows is None or not self.module.attrs.microbatch_size:
+            return whole
+        return whole * (instr.rows[1] - instr.rows[0]) / self.module.attrs.microbatch_size
+
     def param_bytes(self, stages: list[Stage] | tuple[Stage, ...]) -> float:
         """Trainable parameter bytes the stages read (`Module.param_bytes_of`)."""
         return _memo(self.params, tuple(stages), lambda: self.module.param_bytes_of(_ops(stages)))
@@ -169,6 +204,7 @@ def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = N
 
 def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int, int]) -> Iterator[tuple[int, float]]:
     live: dict[tuple[object, ...], float] = {}
+    share = _share(module, program.attrs.replica or 0)
     posted_before: dict[int, list[int]] = {}
     for recv, post in posts.items():
         posted_before.setdefault(post, []).append(recv)
@@ -176,7 +212,7 @@ def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int
         for recv in sorted(posted_before.get(index, ())):
             early = program.instrs[recv]
             assert early.value is not None
-            size = sizes.transferred(early.value)
+            size = sizes.moved(early)
             if size > 0:
                 live[_key(early)] = live.get(_key(early), 0.0) + size
                 yield index, size
@@ -186,19 +222,19 @@ def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int
         elif kind is InstrKind.FORWARD and stage is not None:
             # A recomputing stage's forward keeps only its inputs: the received ones are held as
             # transfers until its backward anyway, the loaded ones (model inputs, targets) count here.
-            size = sizes.loaded(stage) if stage.recompute else sizes.activation(stage)
+            size = share(stage) * (sizes.loaded(stage) if stage.recompute else sizes.activation(stage))
         elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
             # The rerun forward's activations stay until the weight pass when the backward is split.
-            size = sizes.weight_pass(stage) + (_rerun_bytes(sizes, stage) if stage.recompute else 0.0)
+            size = share(stage) * (sizes.weight_pass(stage) + (_rerun_bytes(sizes, stage) if stage.recompute else 0.0))
         elif kind is InstrKind.BACKWARD and stage is not None and stage.recompute:
             # The rerun forward's activations live while the backward runs, then go.
-            act = _rerun_bytes(sizes, stage)
+            act = share(stage) * _rerun_bytes(sizes, stage)
             if act > 0:
                 yield index, act
                 yield index, -act
             continue
         elif kind is InstrKind.RECV and instr.value is not None and index not in posts:
-            size = sizes.transferred(instr.value)
+            size = sizes.moved(instr)
         else:
             continue
         if size > 0:
@@ -239,9 +275,7 @@ def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None)
     peak = max(level)
     posts: dict[int, int] = {}
     for recv, post in sorted(candidates.items()):
-        value = program.instrs[recv].value
-        assert value is not None
-        size = sizes.transferred(value)
+        size = sizes.moved(program.instrs[recv])
         if max(level[post:recv]) + size > peak:
             continue
         for index in range(post, recv):

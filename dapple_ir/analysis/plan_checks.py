@@ -76,31 +76,35 @@ def check_compute_order(module: Module) -> None:
     owner = {
         (name, p.attrs.replica or 0): index for index, p in enumerate(module.programs) for name in p.attrs.stages or ()
     }
-    done: dict[tuple[Stage, int], list[InstrKind]] = {}
+    done: dict[tuple[Stage, int, int], list[InstrKind]] = {}
     for index, program in enumerate(module.programs):
         for i, instr in enumerate(program.instrs):
             if instr.kind not in COMPUTE_KINDS or instr.stage is None or instr.mb is None:
                 continue
             stage, mb = instr.stage, instr.mb
-            expected = owner.get((stage.name, mb % stage.replicas))
+            # Every replica of a split stage runs every microbatch (its rows of it).
+            replica = (program.attrs.replica or 0) if stage.split else mb % stage.replicas
+            expected = owner.get((stage.name, replica))
             if expected != index:
                 raise VerifyError(
                     f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
-                    f"{mb % stage.replicas}, which is rank {expected}"
+                    f"{replica}, which is rank {expected}"
                 )
-            problem = _order_problem(done.setdefault((stage, mb), []), instr.kind)
+            problem = _order_problem(done.setdefault((stage, mb, replica), []), instr.kind)
             if problem:
                 raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
-            done[(stage, mb)].append(instr.kind)
+            done[(stage, mb, replica)].append(instr.kind)
     for stage in module.stages:
         for mb in range(m):
-            kinds = done.get((stage, mb), [])
-            if kinds not in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT):
-                got = ", ".join(k.value for k in kinds) or "nothing"
-                raise VerifyError(
-                    f"verify: @{stage.name} mb={mb} runs {got}; every forward needs exactly one backward "
-                    "(or one backward_input and one backward_weight)"
-                )
+            for replica in range(stage.replicas) if stage.split else (mb % stage.replicas,):
+                kinds = done.get((stage, mb, replica), [])
+                if kinds not in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT):
+                    got = ", ".join(k.value for k in kinds) or "nothing"
+                    which = f" replica {replica}" if stage.split else ""
+                    raise VerifyError(
+                        f"verify: @{stage.name}{which} mb={mb} runs {got}; every forward needs exactly one backward "
+                        "(or one backward_input and one backward_weight)"
+                    )
 
 
 _SPLIT = [InstrKind.FORWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT]

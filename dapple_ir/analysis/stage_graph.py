@@ -95,3 +95,34 @@ def tied_params(module: Module) -> dict[str, list[Stage]]:
         for name, stages in holders.items()
         if len(stages) > 1 and name not in buffers
     }
+
+
+def batched(module: Module, value: Op) -> bool:
+    """Does `value` carry the batch in its dimension 0, so that a split stage can slice its rows?
+
+    A tensor whose dimension 0 equals the module's batch does (the IR's convention: the batch dimension,
+    where there is one, is dimension 0); so does every value of an imported profile (a layer's output).
+    A tuple or a value of unknown shape does not: it is sent whole.
+    """
+    if isinstance(value.type, TensorType):
+        return bool(value.type.shape) and value.type.shape[0] == module.attrs.batch
+    return module.attrs.capture_method == "profile" and isinstance(value.type, OpaqueType)
+
+
+def batch_dependent(module: Module) -> set[Op]:
+    """Values computed from the model's inputs: they differ between the rows of a microbatch."""
+    result: set[Op] = set()
+    for op in module.ops:
+        if op.kind is OpKind.INPUT or any(v in result for v in op.operands):
+            result.add(op)
+    return result
+
+
+#: Buffer names of the running statistics of batch normalisation (`nn.BatchNorm*d`).
+_BATCH_STATISTICS = ("running_mean", "running_var")
+
+
+def batch_statistics(ops: list[Op]) -> list[Op]:
+    """Ops that normalise over the batch (they read batch norm's running statistics): on a split stage
+    each replica would normalise its rows alone, not the microbatch the single device normalises."""
+    return [op for op in ops if any(name.endswith(_BATCH_STATISTICS) for name in op.attrs.params or ())]

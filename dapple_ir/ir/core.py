@@ -184,9 +184,14 @@ class StageAttrs(AttrRecord):
     """Placement of a stage."""
 
     replicas: int | None = None
-    """Data-parallel copies of the stage; replica j runs microbatches m with m % replicas == j."""
+    """Data-parallel copies of the stage. Round robin (the default): replica j runs the microbatches m
+    with m % replicas == j, whole. With `split`, every replica runs every microbatch on its rows."""
     devices: tuple[int, ...] | None = None
     """Device id of each replica, in replica order."""
+    split: bool | None = None
+    """DAPPLE's data parallelism inside a stage: replica j of R runs rows [j b / R, (j + 1) b / R)
+    (integer division) of every microbatch of b samples, and the boundary to a stage sliced otherwise
+    re-slices the batch dimension (`Stage.rows`)."""
     recompute: bool | None = None
     """Activation recomputation: the forward keeps only the stage's inputs (the values it receives)
     per microbatch and is rerun, with grad, right before that microbatch's backward."""
@@ -306,6 +311,19 @@ class Stage:
     def recompute(self) -> bool:
         return bool(self.attrs.recompute)
 
+    @property
+    def split(self) -> bool:
+        """Do the replicas split each microbatch (`StageAttrs.split`), rather than take whole ones in turn?"""
+        return bool(self.attrs.split) and self.replicas > 1
+
+    def rows(self, replica: int, microbatch_size: int) -> tuple[int, int]:
+        """Rows [lo, hi) of a microbatch of `microbatch_size` samples that `replica` computes: a split
+        stage's replica j of R takes [j b // R, (j + 1) b // R); a round-robin replica, the whole microbatch."""
+        if not self.split:
+            return 0, microbatch_size
+        r = self.replicas
+        return replica * microbatch_size // r, (replica + 1) * microbatch_size // r
+
 
 # ---------------------------------------------------------------------------------- programs
 
@@ -362,6 +380,9 @@ class Instr:
     """Microbatch index, 0-based over the whole step."""
     peer: int | None = None
     """Rank at the other end of a send or recv."""
+    rows: tuple[int, int] | None = None
+    """Rows [lo, hi) of the microbatch (dimension 0 of `value`, in microbatch coordinates) that a send or
+    recv moves, where a split stage (`StageAttrs.split`) takes or gives part of it; None: all the sender has."""
     group: tuple[int, ...] | None = None
     """Ranks taking part in an allreduce."""
     param: str | None = None

@@ -315,6 +315,11 @@ class _ModuleBuilder:
                 instr.param = self.symbol_text(toks[0])
             elif part.data == "mb":
                 instr.mb = self.integer(toks[0])
+            elif part.data == "rows":
+                lo, hi = self.integer(toks[0]), self.integer(toks[1])
+                if not 0 <= lo < hi:
+                    raise self.error(toks[0], f"rows = {lo}:{hi} is empty or negative: write LO:HI, 0 <= LO < HI")
+                instr.rows = (lo, hi)
             elif part.data in ("to_peer", "from_peer"):
                 self.check_peer_word(instr.kind, str(part.data)[:-5], kind_tok)
                 instr.peer = self.integer(toks[0])

@@ -109,6 +109,8 @@ def format_instr(instr: Instr, namer: Namer) -> str:
         parts.append("param " + format_symbol(instr.param))
     if instr.mb is not None:
         parts.append(f"mb = {instr.mb}")
+    if instr.rows is not None:
+        parts.append(f"rows = {instr.rows[0]}:{instr.rows[1]}")
     if instr.peer is not None:
         parts.append(f"{_PEER_WORD.get(instr.kind, 'to')} rank {instr.peer}")
     if instr.group is not None:

@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dapple_ir.analysis import memory
-from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes, transfer_bytes
+from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes, replica_rows, transfer_bytes
 from dapple_ir.analysis.stage_graph import tied_params
+from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.cluster.topology import Network
@@ -253,37 +254,43 @@ class _Simulator:
                 raise DappleError(
                     f"rank {r} runs on device {d}, but cluster {cluster.name} has devices 0..{cluster.num_devices - 1}"
                 )
-        scale = memory.batch_scale(module)
-        f = backward_input_fraction
-        # Durations by stage of each compute kind, looked up once per instruction in the main loop.
-        self.fwd: dict[Stage, float] = {}
-        self.bwd: dict[Stage, float] = {}
-        self.bwd_input: dict[Stage, float] = {}
-        self.bwd_weight: dict[Stage, float] = {}
-        for stage in module.stages:
-            fwd = sum(op.attrs.fwd_s or 0.0 for op in stage.ops) * scale
-            bwd = sum(op.attrs.bwd_s or 0.0 for op in stage.ops) * scale
-            # A recomputing stage reruns its forward right before the backward (or its input pass).
-            rerun = fwd if stage.recompute else 0.0
-            self.fwd[stage], self.bwd[stage] = fwd, bwd + rerun
-            self.bwd_input[stage], self.bwd_weight[stage] = bwd * f + rerun, bwd * (1.0 - f)
+        # Durations of each compute kind by rank and stage, looked up once per instruction in the main loop.
+        self.fwd: list[dict[Stage, float]] = []
+        self.bwd: list[dict[Stage, float]] = []
+        self.bwd_input: list[dict[Stage, float]] = []
+        self.bwd_weight: list[dict[Stage, float]] = []
+        durations: dict[tuple[Stage, int, int], tuple[float, float, float, float]] = {}
+        for rank, program in enumerate(module.programs):
+            kind = cluster.device(self.devices[rank])
+            rows = replica_rows(module, program.attrs.replica or 0)
+            for table in (self.fwd, self.bwd, self.bwd_input, self.bwd_weight):
+                table.append({})
+            for stage in module.stages:
+                key = (stage, *rows(stage))
+                if key not in durations:
+                    durations[key] = _durations(module, stage, key[2] - key[1], kind, backward_input_fraction)
+                fwd, bwd, bwd_input, bwd_weight = durations[key]
+                self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
+                self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         self.sizes = Sizes(module)
         self.network = Network(cluster)
         self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
         self.reduce_bytes: dict[Stage, float] = {}
-        self.routes: dict[tuple[Op, int, int], tuple[float, tuple[int, ...], float]] = {}
+        self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
 
     # ----------------------------------------------------------------------- instruction costs
 
-    def route(self, value: Op, src: int, dst: int) -> tuple[float, tuple[int, ...], float]:
-        """(bytes, links, latency) of `send value` from rank src to rank dst; no links when the path
-        costs nothing (ideal links)."""
+    def route(
+        self, value: Op, src: int, dst: int, rows: tuple[int, int] | None
+    ) -> tuple[float, tuple[int, ...], float]:
+        """(bytes, links, latency) of `send value` (its `rows`, where given) from rank src to rank dst; no
+        links when the path costs nothing (ideal links)."""
         a, b = self.devices[src], self.devices[dst]
         path = self.network.path(a, b)
-        found = self.routes[(value, src, dst)] = (
-            transfer_bytes(self.module, value),
+        found = self.routes[(value, src, dst, rows)] = (
+            transfer_bytes(self.module, value, rows),
             () if self.sharing.is_free(path) else path,
             self.network.latency(a, b),
         )
@@ -385,9 +392,9 @@ class _Simulator:
                 kind = instr.kind
                 # Compute kinds fall through to the common tail; the others finish their own entry.
                 if kind is k_fwd:
-                    d = fwd[instr.stage]  # type: ignore[index]
+                    d = fwd[r][instr.stage]  # type: ignore[index]
                 elif kind is k_bwd:
-                    d = bwd[instr.stage]  # type: ignore[index]
+                    d = bwd[r][instr.stage]  # type: ignore[index]
                 elif kind is k_free:
                     st[i] = en[i] = t
                     i += 1
@@ -400,11 +407,12 @@ class _Simulator:
                             break
                         now = t
                     value, peer = instr.value, instr.peer
-                    route = routes.get((value, r, peer))  # type: ignore[arg-type]
+                    route = routes.get((value, r, peer, instr.rows))  # type: ignore[arg-type]
                     if route is None:
-                        route = self.route(value, r, peer)  # type: ignore[arg-type]
+                        route = self.route(value, r, peer, instr.rows)  # type: ignore[arg-type]
                     nbytes, path, latency = route
-                    key: tuple = (value, instr.grad, instr.mb, peer)  # type: ignore[type-arg]
+                    # Pieces of one value (split stages) reach one rank from several: the sender is in the key.
+                    key: tuple = (value, instr.grad, instr.mb, r, peer)  # type: ignore[type-arg]
                     st[i] = t
                     if nbytes > 0 and path:
                         flow, moved = sharing.start(t, path, nbytes)
@@ -420,7 +428,7 @@ class _Simulator:
                     i += 1
                     continue
                 elif kind is k_recv:
-                    key = (instr.value, instr.grad, instr.mb, r)
+                    key = (instr.value, instr.grad, instr.mb, instr.peer, r)
                     got = arrivals.get(key)
                     if got is None:
                         recv_waiters[key] = r
@@ -433,9 +441,9 @@ class _Simulator:
                     i += 1
                     continue
                 elif kind is k_bwd_input:
-                    d = bwd_input[instr.stage]  # type: ignore[index]
+                    d = bwd_input[r][instr.stage]  # type: ignore[index]
                 elif kind is k_bwd_weight:
-                    d = bwd_weight[instr.stage]  # type: ignore[index]
+                    d = bwd_weight[r][instr.stage]  # type: ignore[index]
                 elif kind is k_step:
                     d = step_s[r]
                 elif kind is k_reduce:
@@ -598,6 +606,27 @@ class _Simulator:
             level += change
             curve.append((starts[i], level))
         return curve
+
+
+def _durations(
+    module: Module, stage: Stage, rows: int, kind: DeviceKind, backward_input_fraction: float
+) -> tuple[float, float, float, float]:
+    """(forward, backward, backward_input, backward_weight) seconds of `stage` on `rows` rows of a microbatch.
+
+    The op times are at `cost_batch` samples, scaled to the microbatch b; a split replica's `rows` < b
+    keep each op call's fixed part (`roofline.rescaled_s`). A recomputing stage reruns its forward right
+    before the backward (or its input pass)."""
+    scale = memory.batch_scale(module)
+    b = module.attrs.microbatch_size or rows
+
+    def at_rows(seconds: float) -> float:
+        return seconds if rows == b else rescaled_s(seconds, b, rows, kind)
+
+    fwd = sum(at_rows((op.attrs.fwd_s or 0.0) * scale) for op in stage.ops)
+    bwd = sum(at_rows((op.attrs.bwd_s or 0.0) * scale) for op in stage.ops)
+    rerun = fwd if stage.recompute else 0.0
+    f = backward_input_fraction
+    return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f)
 
 
 def _critical_path(ends: list[list[float]], waited_on: dict[tuple[int, int], tuple[int, int]]) -> list[tuple[int, int]]:
