@@ -6,6 +6,9 @@ track so that communication overlaps compute wherever the instruction order allo
 Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `forward` / `backward`: the sum of the stage's op `fwd_s` / `bwd_s` (given for `cost_batch`
   samples) times b / cost_batch.
+- a replica of a split stage (`split` on the stage) computes its rows of the microbatch: each op
+  call's time at b, its fixed part (`DeviceKind.op_overhead`) as it is and the rest scaled to the
+  rows (`roofline.rescaled_s`); its activations are its rows' share;
 - a recomputing stage (`recompute` on the stage) reruns its forward before the backward: `backward`
   (or `backward_input` when split) takes the forward time on top;
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
@@ -13,7 +16,7 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `send` is an isend: its bytes start to flow over the path between the two devices
   (`dapple_ir.cluster.topology`) when the instruction issues, and arrive the path's latency after
   the last byte is through; the sender does not wait. Bytes are `value.out_bytes * b /
-  module.attrs.batch`, the same for a gradient; a zero-byte send arrives when it issues (it still
+  module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a zero-byte send arrives when it issues (it still
   orders the two ranks).
 - `recv` blocks the rank until the matching send's data has arrived.
 - `allreduce` starts when every member of its group has reached it. It is a ring over the members
