@@ -171,6 +171,9 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
     sub = pipe.get_stage_module(rank)
     del model
     if cfg.schedule == "zb-h1":
+        # torch's zero-bubble backward detaches the stage's outputs in place, which a view (a Linear's
+        # output on a 3-D input) refuses: such an output is copied once per microbatch, on torch's side.
+        sub.register_forward_hook(_owned_outputs)
         schedule: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
     else:
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
@@ -205,6 +208,13 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
     dist.destroy_process_group()
     report = {"rank": rank, "step_times": step_times, "peak_bytes": meter.peak, "losses": losses}
     _write_rank(out_dir, rank, report)
+
+
+def _owned_outputs(_module: Any, _args: Any, output: Any) -> Any:
+    """A stage's outputs with every view replaced by a copy of its own."""
+    if isinstance(output, tuple):
+        return tuple(_owned_outputs(_module, _args, o) for o in output)
+    return output.clone() if hasattr(output, "_is_view") and output._is_view() else output
 
 
 def _write_rank(out_dir: Path, rank: int, report: dict[str, Any]) -> None:
@@ -494,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
         f"{pairs} A/B pair(s) per case, the first 2 steps (1 with --quick) dropped; medians.",
         "stage split: the one our planner chose with --stages forced; torch's pipeline() splits at the same ops. "
-        "zb-h1 on the torch side: ScheduleInterleavedZeroBubble with one stage per rank.",
+        "zb-h1 on the torch side: ScheduleInterleavedZeroBubble with one stage per rank; a stage output that "
+        "is a view (a Linear's output on a 3-D input) is copied there, since torch's zero-bubble backward "
+        "detaches outputs in place and fails on views.",
         "idle = share of the step a rank spends outside forward/backward; simulated bubble = the simulator's idle "
         "for the same plan with the measured stage durations and free links; gap = the larger difference.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "

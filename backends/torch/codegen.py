@@ -132,16 +132,18 @@ class _Exchange:
     kind: InstrKind
     grad: bool
     peer: int
+    rows: tuple[int, int] | None
+    """The rows of each microbatch it carries (a split stage's piece), None: the whole value."""
     microbatches: int = 0
 
 
 def _exchange_table(module: Module, program: RankProgram, namer: Namer) -> list[str]:
     """The header's table of what this rank sends and receives, one row per value, direction and peer."""
-    rows: dict[tuple[Op, InstrKind, bool, int], _Exchange] = {}
+    rows: dict[tuple[Op, InstrKind, bool, int, tuple[int, int] | None], _Exchange] = {}
     for instr in program.instrs:
         if instr.kind not in (InstrKind.SEND, InstrKind.RECV) or instr.value is None or instr.peer is None:
             continue
-        key = (instr.value, instr.kind, instr.grad, instr.peer)
+        key = (instr.value, instr.kind, instr.grad, instr.peer, instr.rows)
         rows.setdefault(key, _Exchange(*key)).microbatches += 1
     if not rows:
         return ["This rank exchanges no values with other ranks."]
@@ -152,7 +154,7 @@ def _exchange_table(module: Module, program: RankProgram, namer: Namer) -> list[
         else "types and bytes as in plan.dapple (the plan records no microbatch size)"
     )
     table: list[tuple[str, ...]] = [
-        ("value", "send/recv", "carries", "type", "bytes/microbatch", "peer rank", "microbatches")
+        ("value", "send/recv", "carries", "type", "rows", "bytes/microbatch", "peer rank", "microbatches")
     ]
     for row in rows.values():
         table.append(
@@ -161,7 +163,8 @@ def _exchange_table(module: Module, program: RankProgram, namer: Namer) -> list[
                 row.kind.value,
                 "gradient" if row.grad else "activation",
                 format_type(row.value.type),
-                format_bytes(transfer_bytes(module, row.value)),
+                f"{row.rows[0]}:{row.rows[1]}" if row.rows else "all",
+                format_bytes(transfer_bytes(module, row.value, row.rows)),
                 str(row.peer),
                 str(row.microbatches),
             )
