@@ -44,6 +44,7 @@ def default_pipeline(
     max_layers: int | None = None,
     virtual: int | None = None,
     recompute: str = "auto",
+    replication: str = "auto",
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
@@ -57,6 +58,8 @@ def default_pipeline(
         options.append(f"virtual={virtual}")
     if recompute != "auto":
         options.append(f"recompute={recompute}")
+    if replication != "auto":
+        options.append(f"replication={replication}")
     coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
     front = [] if profile else ["annotate-cost"]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
@@ -88,6 +91,7 @@ def compile(
     force: bool = False,
     virtual: int | None = None,
     recompute: str = "auto",
+    replication: str = "auto",
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
@@ -130,6 +134,7 @@ def compile(
         max_layers=max_layers,
         virtual=virtual,
         recompute=recompute,
+        replication=replication,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)

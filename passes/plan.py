@@ -41,6 +41,7 @@ class Plan(Pass):
     policy: str | None = option(None, f"device placement: auto or one of {', '.join(POLICIES)}")
     virtual: int | None = option(None, "virtual stages per device group (interleaved), or auto")
     recompute: str = option("auto", "activation recomputation: auto (per stage, where needed), none or all")
+    replication: str = option("auto", "replicated stages: split each microbatch, round-robin, or auto (both weighed)")
     global_batch: int = option(0, "samples per step; 0 takes the module's global_batch")
     simulate: bool = option(True, "rank the best candidates with the simulator")
     ilp_time_limit: float = option(10.0, "seconds the CP-SAT solver may take in all")
@@ -78,6 +79,7 @@ class Plan(Pass):
             ilp_time_limit_s=self.ilp_time_limit,
             virtual=self.virtual,
             recompute=self.recompute,
+            replication=self.replication,
         )
 
 

@@ -229,7 +229,7 @@ def card_bytes(module: Module, spec: ClusterSpec) -> Counter:  # type: ignore[ty
         for instr in program.instrs:
             if instr.kind is InstrKind.SEND:
                 assert instr.value is not None and instr.peer is not None
-                through(devices[rank], devices[instr.peer], transfer_bytes(module, instr.value))  # type: ignore[arg-type]
+                through(devices[rank], devices[instr.peer], transfer_bytes(module, instr.value, instr.rows))  # type: ignore[arg-type]
             if instr.kind is InstrKind.ALLREDUCE:
                 assert instr.group is not None
                 what = (instr.stage.name if instr.stage else instr.param, instr.group)

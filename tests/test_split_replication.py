@@ -188,3 +188,18 @@ def test_batch_norm_on_a_split_stage_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PassError, match=r"stage @s0 splits each microbatch .* normalises over the batch"):
         make_plan(tmp_path / "plan", CNN, stages=2, replicas=[2, 1], microbatches=2, microbatch_size=4, split=True)
     shutil.rmtree(tmp_path / "plan", ignore_errors=True)
+
+
+def test_a_gradient_from_each_consumer_rank_is_awaited_on_its_own() -> None:
+    # %h0 of @s0 feeds @s1 and (a residual) @s2, each on its own rank: rank 0 receives two gradients of
+    # it. Its backward must wait for both; the one from @s1 comes last (@s1's backward needs @s2's first),
+    # so one microbatch runs strictly in sequence: 3 forwards, then 3 backwards.
+    module = chain_module([1, 1, 1], skip=True, devices=True)
+    for op in module.ops:
+        if op.kind.value == "call_module":
+            op.attrs.fwd_s, op.attrs.bwd_s = F_S, B_S
+    module.attrs.global_batch = chain_batch()
+    PassManager(build_pipeline("schedule{kind=gpipe,microbatches=1},lower-comm,insert-frees,verify")).run(module)
+    grads_in = [i.peer or 0 for i in module.programs[0].instrs if i.kind is InstrKind.RECV and i.grad]
+    assert sorted(grads_in) == [1, 2]
+    assert simulate(module, cluster=_free_links(3)).iteration_s == pytest.approx(3 * (F_S + B_S), rel=1e-9)

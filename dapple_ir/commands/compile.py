@@ -8,7 +8,7 @@ import sys
 from dapple_ir import schedules
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
-from dapple_ir.planner.cost_model import POLICIES
+from dapple_ir.planner.cost_model import POLICIES, REPLICATION
 from dapple_ir.planner.search import METHODS, RECOMPUTE
 
 _EPILOG = """examples:
@@ -60,6 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="auto",
         help="activation recomputation: auto (the planner picks the stages that need it), none or all",
     )
+    p.add_argument(
+        "--replication",
+        choices=REPLICATION,
+        default="auto",
+        help="replicated stages: split each microbatch over the replicas (DAPPLE), take whole ones "
+        "round-robin, or auto (the planner weighs both)",
+    )
     p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
     p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
@@ -100,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_layers=args.max_layers,
         virtual=args.virtual,
         recompute=args.recompute,
+        replication=args.replication,
         log=lambda m: print(m, file=sys.stderr),
         manager=manager,
     )

@@ -27,6 +27,15 @@ free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B.
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
 
+Split replication (`Candidate.split`, per stage; DAPPLE's data parallelism inside a stage): replica
+j of R runs rows [j b // R, (j + 1) b // R) of every microbatch, so the busiest runs ceil(b / R) rows
+(`stage_rows`) of all M: F_s, B_s are the stage's times at those rows (fixed parts as they are),
+busy_s = M (F_s + B_s), its activations scale to those rows and 1f1b holds min(S - s, M) microbatches
+in flight. A cut where either side splits moves, per microbatch, the rows each producer replica and
+consumer replica share (`traffic.cut_pieces`), all at once: c_s is the busiest link's share of the
+cut's bytes over its bandwidth (`traffic.cut_s`), and every piece counts toward the card floor.
+With R equal everywhere and uniform stages (no fixed part) the closed form is (M + S - 1)(F + B) / R.
+
 Recomputation (`Candidate.recompute`, per stage; 1f1b and gpipe): a recomputing stage keeps only its
 input (the bytes crossing the cut before it) per microbatch in flight, plus one microbatch's
 activations while the rerun forward and the backward run; its backward costs B_s + F_s. With uniform
@@ -43,7 +52,9 @@ plugin adds) is estimated like 1f1b, and the simulator, which lowers the real sc
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -53,7 +64,7 @@ from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import InstrKind, Module
-from dapple_ir.planner.traffic import busiest, cut_crossings, ring_crossings, ring_step_bytes
+from dapple_ir.planner.traffic import busiest, cut_crossings, cut_s, ring_crossings, ring_step_bytes
 from dapple_ir.schedules import ScheduleRequest, build_schedule
 
 #: The device placement policies (see `place`).
@@ -119,14 +130,18 @@ class Problem:
     def prefix_times(self, microbatches: int) -> tuple[list[float], list[float]]:
         """Prefix sums of the layers' forward and backward times for one microbatch of M: the fixed
         parts as they are, the rest scaled from `cost_batch` (`roofline.rescaled_s`, per layer)."""
-        found = self._times.get(microbatches)
+        return self.times_at(self.microbatch_size(microbatches))
+
+    def times_at(self, rows: int) -> tuple[list[float], list[float]]:
+        """`prefix_times` for a microbatch of `rows` samples (a split replica's rows, `stage_rows`)."""
+        found = self._times.get(rows)
         if found is None:
-            k = self.time_scale(microbatches)
+            k = rows / self.cost_batch
             found = (
                 [fixed + (t - fixed) * k for t, fixed in zip(self.pf, self.pff, strict=True)],
                 [fixed + (t - fixed) * k for t, fixed in zip(self.pb, self.pbf, strict=True)],
             )
-            self._times[microbatches] = found
+            self._times[rows] = found
         return found
 
     def capacity(self, device: int) -> float:
@@ -195,6 +210,9 @@ class Candidate:
     P = len(stages) / virtual (Megatron's interleaved placement)."""
     recompute: tuple[bool, ...] = ()
     """Per stage: does it recompute its forward before the backward (empty: no stage does)."""
+    split: tuple[bool, ...] = ()
+    """Per stage: do its replicas split every microbatch (DAPPLE: replica j of R takes rows
+    [j b // R, (j + 1) b // R) of each), rather than take whole ones round robin (empty: none)."""
 
     def recomputes(self, k: int) -> bool:
         return k < len(self.recompute) and self.recompute[k]
@@ -203,6 +221,10 @@ class Candidate:
         """The recomputing stages, as `--explain` lists them ("s0,s2"), or "-"."""
         names = [f"s{k}" for k in range(len(self.stages)) if self.recomputes(k)]
         return ",".join(names) if names else "-"
+
+    def splits(self, k: int) -> bool:
+        """Does stage k split its microbatches over its replicas (a stage of one replica never does)?"""
+        return k < len(self.split) and self.split[k] and self.stages[k].replicas > 1
 
     @property
     def replicas(self) -> tuple[int, ...]:
@@ -222,7 +244,13 @@ class Candidate:
         cuts = "|".join(f"{s.lo}-{s.hi - 1}x{s.replicas}" for s in self.stages)
         virtual = f" V={self.virtual}" if self.virtual > 1 else ""
         rc = f" rc {self.recomputing()}" if any(self.recompute) else ""
-        return f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy}{rc} layers[{cuts}]"
+        split = f" R={self.replication()}" if any(self.split) else ""
+        head = f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy}"
+        return f"{head}{rc}{split} layers[{cuts}]"
+
+    def replication(self) -> str:
+        """Replica counts with an `s` on the split stages, as `--explain` shows them: "15s,1"."""
+        return ",".join(f"{st.replicas}{'s' if self.splits(k) else ''}" for k, st in enumerate(self.stages))
 
 
 @dataclass(frozen=True)
@@ -262,6 +290,41 @@ def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     if schedule == "interleaved":
         return min(per_replica, 2 * stages_after)
     return min(per_replica, stages_after)
+
+
+def stage_rows(b: int, replicas: int, split: bool) -> int:
+    """Samples of each microbatch the busiest replica of a stage computes: ceil(b / R) split, else b."""
+    return -(-b // replicas) if split else b
+
+
+#: How a replicated stage shares its microbatches: `split` each over the replicas (DAPPLE), whole
+#: ones `round-robin`, or `auto`: split where a microbatch has a sample for every replica.
+REPLICATION = ("auto", "split", "round-robin")
+
+
+def with_replication(problem: Problem, cand: Candidate, mode: str) -> Candidate | None:
+    """`cand` with its replicated stages split or round robin as `mode` (one of `REPLICATION`) says;
+    None where that cannot run: a split stage needs a sample of each microbatch per replica, a
+    round-robin one a microbatch per replica."""
+    b, m = problem.microbatch_size(cand.microbatches), cand.microbatches
+    split = tuple(1 < r <= b for r in cand.replicas) if mode != "round-robin" else ()
+    if mode == "split" and any(r > b for r in cand.replicas if r > 1):
+        return None
+    if any(r > m and not (k < len(split) and split[k]) for k, r in enumerate(cand.replicas)):
+        return None
+    return dataclasses.replace(cand, split=split if any(split) else ())
+
+
+def cut_transfer_s(
+    problem: Problem, a: tuple[int, ...], b: tuple[int, ...], split: tuple[bool, bool], nbytes: float, rows: int
+) -> float:
+    """c: one microbatch's transfer over a cut of `nbytes`. Round robin on both sides, over the
+    slowest link a whole microbatch crosses (`cut_link`, the rule the ILP prices too); where a stage
+    splits, sharing the links with the pieces and microbatches that cross at once (`traffic.cut_s`)."""
+    if not any(split):
+        return cut_link(problem.cluster, a, b).transfer_s(nbytes)
+    per_byte, latency = cut_s(problem.network, a, b, split, rows)
+    return latency + nbytes * per_byte if nbytes > 0 and per_byte > 0 else 0.0
 
 
 def cut_link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> Link:
@@ -306,12 +369,20 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     m = cand.microbatches
     if m < 1 or problem.global_batch % m:
         raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
-    if cand.virtual > 1:
-        if any(cand.recompute):
-            raise PlanError("recomputation is not modelled with virtual stages (interleaved); plan without it")
-        return _evaluate_interleaved(problem, cand)
     b = problem.microbatch_size(m)
-    pf, pb = problem.prefix_times(m)
+    if cand.virtual > 1:
+        if any(cand.recompute) or any(cand.split):
+            raise PlanError(
+                "recomputation and split replication are not modelled with virtual stages (interleaved); "
+                "plan without them"
+            )
+        return _evaluate_interleaved(problem, cand)
+    for k, st in enumerate(cand.stages):
+        if cand.splits(k) and st.replicas > b:
+            raise PlanError(
+                f"stage {k} splits microbatches of {b} samples over {st.replicas} replicas: "
+                "a split stage needs at least one sample per replica"
+            )
     share = _PATH_SHARE.get(cand.schedule, 1.0)
     n = len(cand.stages)
     g, h = -math.inf, -math.inf
@@ -320,25 +391,29 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     loads: dict[int, float] = {}
     for s in range(n - 1, -1, -1):
         st = cand.stages[s]
+        # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
+        rows = stage_rows(b, st.replicas, cand.splits(s))
+        pf, pb = problem.times_at(rows)
         fwd = pf[st.hi] - pf[st.lo]
         bwd = pb[st.hi] - pb[st.lo]
         if cand.recomputes(s):
             bwd += fwd  # the forward reruns before the backward
-        per_replica = -(-m // st.replicas)
+        per_replica = m if cand.splits(s) else -(-m // st.replicas)
         busy = per_replica * (fwd + bwd)
         c = 0.0
         if s < n - 1:
             nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
             after = cand.stages[s + 1].devices
-            c = cut_link(problem.cluster, st.devices, after).transfer_s(nbytes)
-            _add(loads, cut_crossings(network, st.devices, after, m), nbytes)
+            split = (cand.splits(s), cand.splits(s + 1))
+            c = cut_transfer_s(problem, st.devices, after, split, nbytes, b)
+            _add(loads, cut_crossings(network, st.devices, after, m, split, b), nbytes)
         grads = problem.pg[st.hi] - problem.pg[st.lo]
         _add(loads, ring_crossings(network, st.devices), ring_step_bytes(grads, st.replicas))
         ar = network.allreduce_s(grads, st.devices)
         g = max(busy, share * (fwd + bwd) + 2 * c + g)
         h = max(ar, h - (bwd + c))
         busies[s] = busy
-        peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, b, cand.recomputes(s))
+        peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s))
         caps[s] = min(problem.capacity(d) for d in st.devices)
     tail = max(0.0, h)
     _card, floor = busiest(network, loads, network.card_links)
@@ -425,7 +500,7 @@ def interleaved_held(cand: Candidate, act: list[float]) -> list[float]:
     return held
 
 
-def _add(loads: dict[int, float], crossings: dict[int, int], nbytes: float) -> None:
+def _add(loads: dict[int, float], crossings: Mapping[int, float], nbytes: float) -> None:
     if nbytes <= 0:
         return
     for link, count in crossings.items():
@@ -470,17 +545,25 @@ def place(cluster: ClusterSpec, replicas: list[int], policy: str) -> list[tuple[
 
 
 def candidate(
-    problem: Problem, bounds: list[int], replicas: list[int], microbatches: int, schedule: str, policy: str, source: str
+    problem: Problem,
+    bounds: list[int],
+    replicas: list[int],
+    microbatches: int,
+    schedule: str,
+    policy: str,
+    source: str,
+    split: bool = False,
 ) -> Candidate | None:
-    """A candidate from cut points (`bounds` = [0, ..., L]) and replica counts, placed by `policy`
-    (None when the devices run out or a replica would get no microbatch)."""
-    if max(replicas) > microbatches:
-        return None
+    """A candidate from cut points (`bounds` = [0, ..., L]) and replica counts, placed by `policy`,
+    its replicated stages split when `split` (`with_replication`; None when the devices run out or
+    a replica would get no microbatch, or no rows of one)."""
     devices = place(problem.cluster, replicas, policy)
     if devices is None:
         return None
     stages = tuple(StageChoice(bounds[i], bounds[i + 1], devices[i]) for i in range(len(replicas)))
-    return Candidate(stages, microbatches, schedule, policy, source)
+    return with_replication(
+        problem, Candidate(stages, microbatches, schedule, policy, source), "split" if split else "round-robin"
+    )
 
 
 def microbatch_choices(global_batch: int, devices: int, limit: int = 4) -> list[int]:

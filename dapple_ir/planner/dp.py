@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from functools import cache
 from operator import itemgetter
 
@@ -32,9 +33,10 @@ from dapple_ir.planner.cost_model import (
     StageChoice,
     device_order,
     evaluate,
+    stage_rows,
     stage_start,
 )
-from dapple_ir.planner.traffic import cut_crossings, ring_crossings, ring_step_bytes
+from dapple_ir.planner.traffic import cut_crossings, cut_s, ring_crossings, ring_step_bytes
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
 #: DAPPLE's 2x8 (4) and 16x1 (32) clusters; beyond, a tuple per entry would slow the DP down.
@@ -93,11 +95,14 @@ def solve(
     choices: list[int] | None = None,
     bound: float = math.inf,
     recompute: bool = False,
+    split: bool = False,
 ) -> Candidate | None:
     """The best candidate for one (M, schedule, policy), or None when nothing fits in memory or
     beats `bound` (a stage busier than the bound cannot be part of a better plan: pruned). With
     `recompute`, every stage recomputes (`cost_model.stage_memory`): it keeps its input per microbatch
-    in flight and one microbatch's activations, and its backward reruns the forward."""
+    in flight and one microbatch's activations, and its backward reruns the forward. With `split`,
+    every replicated stage splits each microbatch over its replicas, at most b of them (`cost_model`:
+    times and activations at `stage_rows`, M microbatches per replica, its cuts in pieces)."""
     cluster = problem.cluster
     total = cluster.num_devices
     layers = problem.layers
@@ -107,10 +112,9 @@ def solve(
     share = _PATH_SHARE.get(schedule, 1.0)
     cut_scale = b / problem.batch
     replicas = choices or replica_choices(cluster)
+    split_counts = {r for r in replicas if split and 1 < r <= b}
     limit = stages or max_stages or layers
-    pf, pb = problem.prefix_times(microbatches)  # this microbatch's times, fixed parts included
     pa, ps, pg = problem.pa, problem.ps, problem.pg
-    act_scale = b / problem.cost_batch
     capacity = [problem.capacity(x) for x in range(total)]
 
     gpipe, interleaved = schedule == "gpipe", schedule == "interleaved"
@@ -125,7 +129,7 @@ def solve(
     empty_loads: tuple[float, ...] | float = (0.0,) * len(card_index) if vector else 0.0
     by_placement = front is None and vector and bool(card_index)
 
-    def on_cards(crossings: dict[int, int]) -> tuple[tuple[int, float], ...]:
+    def on_cards(crossings: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
         return tuple((card_index[link], float(count)) for link, count in crossings.items() if link in card_index)
 
     @cache
@@ -149,7 +153,15 @@ def solve(
         spanned = {node[k] for k in (*range(start, start + r), *range(child_start, child_start + child_r))}
         if not vector or len(spanned) == 1:
             return none
-        return on_cards(cut_crossings(network, a, b, microbatches))
+        both = (r in split_counts, child_r in split_counts)
+        return on_cards(cut_crossings(network, a, b, microbatches, both, problem.microbatch_size(microbatches)))
+
+    @cache
+    def split_cut(start: int, r: int, child_start: int, child_r: int) -> tuple[float, float]:
+        """A cut with a split side: seconds per byte of one microbatch and latency (`cut_s`)."""
+        a, b = order[start : start + r], order[child_start : child_start + child_r]
+        both = (r in split_counts, child_r in split_counts)
+        return cut_s(network, a, b, both, problem.microbatch_size(microbatches))
 
     def add(
         loads: tuple[float, ...] | float,
@@ -184,8 +196,10 @@ def solve(
     c_inter_at = [inter.transfer_s(x * cut_scale) for x in cut_bytes]
 
     @cache
-    def spans_from(i: int) -> list[tuple[float, float, float, float, float]]:
+    def spans_from(i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
+        """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples."""
         rerun = 1.0 if recompute else 0.0
+        pf, pb = problem.times_at(rows)  # fixed parts included
         return [
             (pf[j] - pf[i], pb[j] - pb[i] + rerun * (pf[j] - pf[i]), ps[j] - ps[i], pa[j] - pa[i], pg[j] - pg[i])
             for j in range(i + 1, layers + 1)
@@ -195,16 +209,20 @@ def solve(
     def suffix(i: int, d: int) -> tuple[_Entry, ...]:
         found: list[_Entry] = []
         append = found.append
-        spans = spans_from(i)
-        # Bytes held per microbatch in flight: the activations, or with recompute the stage's input.
-        kept_input = cut_bytes[i - 1] * cut_scale if recompute and i > 0 else 0.0
         for r in replicas:
             start = stage_start(cluster, policy, d, r)
-            if start + r > total or r > microbatches:
+            split_here = r in split_counts
+            # A round-robin replica needs a microbatch, a split one a sample of each.
+            if start + r > total or r > (b if split else microbatches):
                 continue
+            rows = stage_rows(b, r, split_here)
+            spans = spans_from(i, rows)
+            act_scale = rows / problem.cost_batch
+            # Bytes held per microbatch in flight: the activations, or with recompute the stage's input.
+            kept_input = cut_bytes[i - 1] * rows / problem.batch if recompute and i > 0 else 0.0
             single, cap, ar_bw, ar_lat, ring, peak = group(start, r)
             alone = single and d > 0 and node[d - 1] == node[start]
-            per = -(-microbatches // r)
+            per = microbatches if split_here else -(-microbatches // r)
             ring_factor = ring_step_bytes(1.0, r)
             for j, (f_sum, b_sum, static, a_sum, grads) in enumerate(spans, start=i + 1):
                 fwd, bwd = f_sum, b_sum
@@ -234,7 +252,11 @@ def solve(
                     # No child can break the memory or stage limit: at most `per` microbatches are held
                     # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
                     for child in children:
-                        c = c_intra if (single and child[_ALONE]) else c_inter
+                        if split_here or child[_REPLICAS] in split_counts:
+                            per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
+                            c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+                        else:
+                            c = c_intra if (single and child[_ALONE]) else c_inter
                         g = path + 2 * c + child[_G]
                         if busy > g:
                             g = busy
@@ -258,7 +280,11 @@ def solve(
                         held = per
                     if n > limit or static + held * act > cap:
                         continue
-                    c = c_intra if (single and child[_ALONE]) else c_inter
+                    if split_here or child[_REPLICAS] in split_counts:
+                        per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
+                        c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+                    else:
+                        c = c_intra if (single and child[_ALONE]) else c_inter
                     g = path + 2 * c + child[_G]
                     if busy > g:
                         g = busy
@@ -285,6 +311,7 @@ def solve(
     suffix.cache_clear()
     group.cache_clear()
     cut_cards.cache_clear()
+    split_cut.cache_clear()
     spans_from.cache_clear()
     if not entries:
         return None
@@ -294,7 +321,8 @@ def solve(
     while best is not None:
         result.append(StageChoice(lo, best[_END], tuple(order[best[_START] : best[_START] + best[_REPLICAS]])))
         lo, best = best[_END], best[_CHILD]
-    return Candidate(tuple(result), microbatches, schedule, policy, "dp")
+    found = Candidate(tuple(result), microbatches, schedule, policy, "dp")
+    return dataclasses.replace(found, split=tuple(st.replicas in split_counts for st in result)) if split else found
 
 
 def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placement: bool) -> tuple[_Entry, ...]:
@@ -352,8 +380,10 @@ def plan_dp(
     bound: float = math.inf,
     slack: float = 1.1,
     recompute: bool = False,
+    split: bool = False,
 ) -> list[tuple[Candidate, Estimate]]:
-    """The DP's best candidate for every (M, schedule, policy), evaluated and sorted, fitting ones first.
+    """The DP's best candidate for every (M, schedule, policy), evaluated and sorted, fitting ones first
+    (`split`: replicated stages split each microbatch, see `solve`).
 
     `bound` (an iteration time some plan reaches, e.g. the best baseline's) prunes the search; each
     plan found tightens it to `slack` times its time, so near-best alternatives survive for ranking.
@@ -376,6 +406,7 @@ def plan_dp(
                     choices=choices,
                     bound=bound,
                     recompute=recompute,
+                    split=split,
                 )
                 if cand is None:
                     continue

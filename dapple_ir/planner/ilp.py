@@ -271,7 +271,7 @@ def _cut_cards(network: Network, choices: list[int], microbatches: int, n_dev: i
             for r2 in choices:
                 if o + r + r2 <= n_dev:
                     crossings = cut_crossings(network, range(o, o + r), range(o + r, o + r + r2), microbatches)
-                    table[(o, r, r2)] = [(link, k) for link, k in crossings.items() if link in cards]
+                    table[(o, r, r2)] = [(link, round(k)) for link, k in crossings.items() if link in cards]
     return table
 
 

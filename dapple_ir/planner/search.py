@@ -15,6 +15,7 @@ from dapple_ir.ir import Module, Stage, StageAttrs
 from dapple_ir.planner.baselines import all_baselines, interleaved_variant, time_balanced_partition
 from dapple_ir.planner.cost_model import (
     POLICIES,
+    REPLICATION,
     Candidate,
     Estimate,
     Problem,
@@ -22,6 +23,7 @@ from dapple_ir.planner.cost_model import (
     candidate,
     evaluate,
     microbatch_choices,
+    with_replication,
 )
 from dapple_ir.planner.dp import plan_dp, policies_for, replicated_pipelines
 from dapple_ir.planner.ilp import plan_ilp
@@ -80,6 +82,9 @@ class Request:
     """Virtual stages per device group (interleaved); None lets an interleaved request choose."""
     recompute: str = "auto"
     """One of `RECOMPUTE`: `auto` recomputes a stage only where the plan fits only so or runs faster."""
+    replication: str = "auto"
+    """One of `REPLICATION`: replicated stages split each microbatch (DAPPLE), take whole ones round
+    robin, or (`auto`) the planner weighs both per candidate."""
 
 
 @dataclass
@@ -109,6 +114,13 @@ def validate(problem: Problem, req: Request) -> None:
         raise PlanError(f"schedule must be auto or one of {', '.join(SCHEDULES)}, not '{req.schedule}'")
     if req.policy is not None and req.policy not in POLICIES:
         raise PlanError(f"policy must be auto or one of {', '.join(POLICIES)}, not '{req.policy}'")
+    if req.replication not in REPLICATION:
+        raise PlanError(f"replication must be one of {', '.join(REPLICATION)}, not '{req.replication}'")
+    if req.replication == "split" and ((req.virtual or 1) > 1 or req.schedule == "interleaved"):
+        raise PlanError(
+            "replication=split is not modelled with virtual stages (interleaved); ask for replication "
+            "auto or round-robin, or another schedule"
+        )
     if req.recompute not in RECOMPUTE:
         raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE)}, not '{req.recompute}'")
     if req.recompute == "all" and (
@@ -184,6 +196,8 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
                 base_req = dataclasses.replace(req, schedule="1f1b", stages=groups)
                 bases[groups] = _gather(problem, base_req, "1f1b") + _even_groups(problem, base_req)
             pool += _interleaved(problem, bases[groups], v)
+    if not virtuals:
+        pool = _with_replication(problem, req, pool)
     if not virtuals and req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = _with_recompute(problem, req, schedule, pool)
     pool = _unique(pool)
@@ -193,6 +207,9 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
     # The best few by the model, and every baseline, so that the plan shown is never slower in the
     # simulator than a rule a user could apply by hand.
     head = [s for k, s in enumerate(fitting) if k < SIMULATED or s.cand.source.startswith("baseline:")]
+    if req.replication == "auto":
+        # The best round robin too: the model can favour split plans the simulator finds slower.
+        head += [s for s in fitting if not any(s.cand.split) and s not in head][:2]
     tail = [s for s in fitting if s not in head]
     if score is not None and req.schedule is None:
         head += _schedule_variants(problem, fitting[:2], interleave=req.stages is None and req.virtual != 1)
@@ -243,16 +260,23 @@ def _gather(problem: Problem, req: Request, schedule: str) -> list[Scored]:
         # per-call fixed costs, 8 layers on 16 one-device nodes took 35 s uncapped, 0.1 s capped).
         small = problem.layers * cluster.num_devices <= 128 and len(problem.network.card_links) <= EXACT_FRONT_CARDS
         front = None if small else 3
-        for cand, est in plan_dp(
-            problem,
-            microbatches=ms,
-            schedules=[schedule],
-            policies=policies,
-            stages=req.stages,
-            bound=bound * 1.25,
-            front=front,
-        ):
-            pool.append(Scored(cand, est))
+        # DAPPLE's split replication; with `auto` on clusters the local search covers, round robin too
+        # (VGG-19 at 512 on 2x8 V100: 15,1 round robin at 128 microbatches beats every split plan).
+        splits = {"split": [True], "round-robin": [False]}.get(
+            req.replication, [True, False][: 1 + _cluster_is_small(problem)]
+        )
+        for split in splits:
+            for cand, est in plan_dp(
+                problem,
+                microbatches=ms,
+                schedules=[schedule],
+                policies=policies,
+                stages=req.stages,
+                bound=bound * 1.25,
+                front=front,
+                split=split,
+            ):
+                pool.append(Scored(cand, est))
         if cluster.num_devices > 64 and req.stages is None and req.policy is None:
             for cand, est in replicated_pipelines(problem, microbatches=ms, schedule=schedule, bound=bound * 1.25):
                 pool.append(Scored(cand, est))
@@ -280,6 +304,39 @@ def _gather(problem: Problem, req: Request, schedule: str) -> list[Scored]:
     if not any(s.estimate.fits for s in pool):
         pool += _leanest(problem, req, schedule)
     return pool
+
+
+def _with_replication(problem: Problem, req: Request, pool: list[Scored]) -> list[Scored]:
+    """The pool as `req.replication` asks: every candidate split (those that cannot are dropped) or
+    round robin, or with `auto` both: each candidate and its twin, split where it can
+    (`with_replication`) if it was round robin, else round robin. The DP searches with split stages
+    (DAPPLE's replication, `dp.solve`); the twins let round robin win where it runs faster (a stage
+    whose rows would be too few to keep the device busy: the fixed part of its time stays). `auto`
+    adds only twins whose round robin the cost model prices (`round_robin_priced`)."""
+    found = []
+    for s in pool:
+        mode = req.replication
+        if mode == "auto":
+            found.append(s)
+            mode = "round-robin" if any(s.cand.split) else "auto"
+        twin = with_replication(problem, s.cand, mode)
+        if twin is None or (req.replication == "auto" and (twin.split == s.cand.split or not round_robin_priced(twin))):
+            continue
+        found.append(s if twin == s.cand else Scored(twin, evaluate(problem, twin)))
+    return found
+
+
+def round_robin_priced(cand: Candidate) -> bool:
+    """Whether the cost model prices `cand`'s round robin: no two neighbouring stages of different
+    replica counts above one where either takes whole microbatches in turn. Such a pair waits on
+    itself in the lowered order far beyond the formula (the 1.5B GPT on 2x8 V100, 128 microbatches:
+    2,2,4,4,4 round robin estimates 16.7 s and simulates 33 s; split, 16.4 s and 16.8 s); equal
+    counts, and a stage of one replica, pair microbatch to replica and the model holds."""
+    for k in range(len(cand.stages) - 1):
+        a, b = cand.stages[k].replicas, cand.stages[k + 1].replicas
+        if a != b and a > 1 and b > 1 and not (cand.splits(k) and cand.splits(k + 1)):
+            return False
+    return True
 
 
 def _with_recompute(problem: Problem, req: Request, schedule: str, pool: list[Scored]) -> list[Scored]:
@@ -314,7 +371,13 @@ def _recompute_gather(problem: Problem, req: Request, schedule: str, *, trim: bo
     ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, cluster.num_devices)
     policies = [req.policy] if req.policy else policies_for(cluster, POLICIES)
     found = plan_dp(
-        problem, microbatches=ms, schedules=[schedule], policies=policies, stages=req.stages, recompute=True
+        problem,
+        microbatches=ms,
+        schedules=[schedule],
+        policies=policies,
+        stages=req.stages,
+        recompute=True,
+        split=req.replication != "round-robin",
     )
     if cluster.num_devices > 64 and req.stages is None and req.policy is None:
         found += replicated_pipelines(problem, microbatches=ms, schedule=schedule, recompute=True)
@@ -422,33 +485,39 @@ def _local_search(
     model, which misjudges some plans (round-robin replicas of uneven counts wait on each other in
     ways its formula does not see: VGG-19 at global batch 1024 on 2x8 V100 estimates 11,4,1 replicas
     at 343 ms, simulated 409 ms, while 15,1 cut one layer later simulates 391 ms under gpipe). Each
-    round takes the `LOCAL_WIDTH` best, simulates their neighbours (`_neighbours`) and continues from
-    those that beat the best so far, for at most `LOCAL_ROUNDS` rounds. Returns the neighbours
-    simulated that fit in device memory."""
+    climb starts from one of the `LOCAL_WIDTH` best, the best round robin and the best baseline (each
+    a basin of its own: VGG-19's 15,1 round robin at 512 on 2x8 V100 lies several steps from the
+    split plans the model ranks first), simulates its neighbours (`_neighbours`) and goes on from the
+    best of them while it beats where the climb stands, for at most `LOCAL_ROUNDS` rounds. Returns the
+    neighbours simulated that fit in device memory."""
     seen = {_plan_key(s.cand) for s in known}
     found: list[Scored] = []
-    best = timed[0].time_s
-    frontier = timed[:LOCAL_WIDTH]
-    for _ in range(LOCAL_ROUNDS):
-        near = [n for s in frontier for n in _neighbours(problem, req, s.cand, seen)]
-        _score_best(problem, near, score)
-        near = [n for n in near if n.simulated_s is not None and (n.simulated_peak or 0.0) <= cap]
-        found += near
-        better = sorted((n for n in near if n.time_s < best), key=lambda n: n.time_s)
-        if not better:
-            break
-        best, frontier = better[0].time_s, better[:LOCAL_WIDTH]
+    starts = timed[:LOCAL_WIDTH]
+    for basin in (lambda s: not any(s.cand.split), lambda s: s.cand.source.startswith("baseline:")):
+        starts += [s for s in timed if basin(s) and s not in starts][:1]
+    for start in starts:
+        here = start
+        for _ in range(LOCAL_ROUNDS):
+            near = _neighbours(problem, req, here.cand, seen)
+            _score_best(problem, near, score)
+            near = [n for n in near if n.simulated_s is not None and (n.simulated_peak or 0.0) <= cap]
+            found += near
+            better = min(near, key=lambda n: n.time_s, default=None)
+            if better is None or better.time_s >= here.time_s:
+                break
+            here = better
     return found
 
 
 def _plan_key(cand: Candidate) -> tuple:
     """What makes two candidates the same plan (the proposer aside)."""
-    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual)
+    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual, cand.split)
 
 
 def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple]) -> list[Scored]:
     """The plans one step from `cand` that fit and were not seen: half and twice the microbatches,
-    another schedule, and (up to `LOCAL_CUT_STAGES` stages) one cut moved by a layer; what the
+    another schedule, split replication toggled (round robin, or split where it can), and (up to
+    `LOCAL_CUT_STAGES` stages) one cut moved by a layer; what the
     request fixes stays fixed, and a forced stage count keeps the searches' cuts too (it is how a
     split is reproduced to compare systems: bench/runtime_vs_torch_pipelining.py cuts torch where we
     cut, which must be a module's edge). Interleaved plans have no neighbours."""
@@ -459,6 +528,10 @@ def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple
         for m in (cand.microbatches // 2, cand.microbatches * 2):
             if 1 <= m <= problem.global_batch and problem.global_batch % m == 0:
                 options.append(dataclasses.replace(cand, microbatches=m, source=f"{cand.source}~M{m}"))
+    if req.replication == "auto":
+        twin = with_replication(problem, cand, "round-robin" if any(cand.split) else "auto")
+        if twin is not None and twin.split != cand.split and round_robin_priced(twin):
+            options.append(dataclasses.replace(twin, source=f"{cand.source}~{'rr' if any(cand.split) else 'split'}"))
     if req.schedule is None:
         allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
         options += [
@@ -475,7 +548,9 @@ def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple
     near = []
     for option in options:
         key = _plan_key(option)
-        if key in seen:
+        size = problem.microbatch_size(option.microbatches)
+        # More microbatches are smaller: a split stage needs a sample of each per replica.
+        if key in seen or any(st.replicas > size for k, st in enumerate(option.stages) if option.splits(k)):
             continue
         seen.add(key)
         estimate = evaluate(problem, option)
@@ -503,9 +578,9 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
     for k, st in enumerate(cand.stages):
         ops = sorted((op for layer in module.layers[st.lo : st.hi] for op in layer.ops), key=position.__getitem__)
         recompute = True if cand.recomputes(k) else None
-        module.stages.append(
-            Stage(f"s{k}", ops, StageAttrs(replicas=st.replicas, devices=st.devices, recompute=recompute))
-        )
+        split = True if cand.splits(k) else None
+        placed = StageAttrs(replicas=st.replicas, devices=st.devices, split=split, recompute=recompute)
+        module.stages.append(Stage(f"s{k}", ops, placed))
     module.programs = []
     attrs = module.attrs
     attrs.global_batch = problem.global_batch
@@ -540,6 +615,7 @@ def _lowers_alike(a: Candidate, b: Candidate) -> bool:
         or len(a.stages) != len(b.stages)
         or a.virtual != b.virtual
         or a.recompute != b.recompute
+        or a.split != b.split
     ):
         return False
     if a.stages != b.stages:
@@ -784,7 +860,7 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
     baselines = [s for s in ranked[12:] if s.cand.source.startswith("baseline:") and "~" not in s.cand.source]
     for k, s in enumerate([*ranked[:12], *baselines, *rejected[:8]], start=1):
         c, e = s.cand, s.estimate
-        reps = ",".join(str(r) for r in c.replicas)
+        reps = c.replication()
         reps = reps if len(reps) <= 18 else reps[:15] + "..."
         # The link the plan loads most (bytes per iteration over its bandwidth), and that time's share
         # of the model's iteration: 100 % means the link alone sets the pace.
@@ -821,7 +897,8 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
             f"{rc:<12} {link:<16} {share}  {verdict}"
         )
     cuts = ", ".join(
-        f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}{' recomputing' if chosen.cand.recomputes(k) else ''}"
+        f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}{' split' if chosen.cand.splits(k) else ''}"
+        f"{' recomputing' if chosen.cand.recomputes(k) else ''}"
         for k, st in enumerate(chosen.cand.stages)
     )
     lines.append(f"chosen: {cuts}")

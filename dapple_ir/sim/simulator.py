@@ -16,8 +16,10 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `send` is an isend: its bytes start to flow over the path between the two devices
   (`dapple_ir.cluster.topology`) when the instruction issues, and arrive the path's latency after
   the last byte is through; the sender does not wait. Bytes are `value.out_bytes * b /
-  module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a zero-byte send arrives when it issues (it still
-  orders the two ranks).
+  module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a
+  zero-byte send arrives when it issues (it still orders the two ranks). A recv waits for its own
+  sender's data: the gradients of one value coming back from several consumer ranks are awaited
+  each on its own.
 - `recv` blocks the rank until the matching send's data has arrived.
 - `allreduce` starts when every member of its group has reached it. It is a ring over the members
   in device order: each of the n steps sends 2(n-1)/n of the gradient bytes from one member to the
