@@ -156,7 +156,7 @@ def _uniform_replicas(request: ScheduleRequest) -> int:
     return counts.pop() if len(counts) == 1 else 1
 
 
-def _zb_order(stage: int, request: ScheduleRequest, defer: int) -> list[Work]:
+def _zb_order(stage: int, request: ScheduleRequest, defer: int, replicas: int = 1) -> list[Work]:
     pending: deque[int] = deque()
 
     def backward(mb: int) -> list[Work]:
@@ -166,7 +166,7 @@ def _zb_order(stage: int, request: ScheduleRequest, defer: int) -> list[Work]:
             out.append(Work(BW, stage, pending.popleft()))
         return out
 
-    order = _early_backward(stage, request.stages, request.microbatches, backward)
+    order = _early_backward(stage, request.stages, request.microbatches, backward, replicas)
     return order + [Work(BW, stage, mb) for mb in pending]
 
 
@@ -187,13 +187,17 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
     Deferred W passes fill the bubbles that waiting for gradients leaves. Activations live from F to W,
     so deferring raises a stage's hold; each stage defers the most it can while no rank holds more
     microbatches than the fullest 1f1b rank does (min(S, M) unreplicated, the ZB paper's bound).
+    With R replicas in every stage, the R pipelines over the microbatches m % R == j are independent:
+    the group-wide order warms up with (S - s) R microbatches and defers up to s R weight passes, so
+    each replica sees ZB-H1's order over its own microbatches.
     """
     ref = one_f_one_b(request)
     cap = max(_replica_peak(ref[s], request, s) for s in range(request.stages))
+    r = _uniform_replicas(request)
     orders: dict[int, list[Work]] = {}
     for s in range(request.stages):
-        for defer in range(s, -1, -1):
-            orders[s] = _zb_order(s, request, defer)
+        for defer in range(s * r, -1, -1):
+            orders[s] = _zb_order(s, request, defer, r)
             if _replica_peak(orders[s], request, s) <= cap:
                 break
     return orders

@@ -213,10 +213,11 @@ def test_unhidden_allreduce_and_transfer_by_hand() -> None:
     stages = (StageChoice(0, 1, (0, 1)), StageChoice(1, 2, (2,)))
     est = evaluate(problem, Candidate(stages, 4, "1f1b"))
     # Microbatch of 1: F = 0.025, B = 0.05 per stage; the cut of 1e8/4 bytes crosses nodes through
-    # a 25 Gbit/s card (3.125 GB/s, 20 us).
+    # a 25 Gbit/s card (3.125 GB/s, 20 us), where stage 0's two replicas send their microbatches at
+    # once: each transfer gets half the card.
     f, b = 0.025, 0.05
     card = 25e9 / 8
-    c = 20e-6 + 2.5e7 / card
+    c = 20e-6 + 2 * 2.5e7 / card
     busy0, busy1 = 2 * (f + b), 4 * (f + b)
     g = max(busy0, f + b + 2 * c + busy1)
     ar = 2 * 1 / 2 * 1e9 / 25e9 + 2 * 5e-6  # ring over two devices of node 0 (25 GB/s ports)

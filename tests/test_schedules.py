@@ -85,6 +85,21 @@ def test_a_replica_runs_its_share_of_the_unreplicated_order() -> None:
     assert _text(orders[(0, 0)]) == "F0 F1 B0 F2 B1 F3 B2 B3"
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize(("stages", "replicas", "m"), [(2, 2, 8), (4, 2, 16), (3, 3, 9)])
+def test_uniform_replicas_each_run_the_unreplicated_order_on_their_own_microbatches(
+    kind: str, stages: int, replicas: int, m: int
+) -> None:
+    # R replicas in every stage are R independent pipelines: replica j's order is the order one
+    # unreplicated pipeline runs over M / R microbatches, on the microbatches j, j + R, j + 2R, ...
+    alone = schedules.build_schedule(kind, ScheduleRequest((1,) * stages, m // replicas))
+    together = schedules.build_schedule(kind, ScheduleRequest((replicas,) * stages, m))
+    for s in range(stages):
+        for j in range(replicas):
+            renumbered = [Work(w.kind, w.stage, w.mb * replicas + j) for w in alone[(s, 0)]]
+            assert together[(s, j)] == renumbered, (kind, s, j)
+
+
 def test_ranks_follow_device_ids_and_carry_their_placement() -> None:
     module = chain_module([1, 1], [1, 2])
     module.stages[0].attrs.devices = (5,)

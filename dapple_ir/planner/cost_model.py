@@ -9,16 +9,22 @@ Iteration time (DAPPLE's latency: warm-up, steady phase of the slowest stage, dr
 over the stages from last to first so that dynamic programming can use the same recursion:
 
     busy_s = ceil(M / R_s) * (F_s + B_s)            work of one replica of stage s
-    a_s    = F_s + B_s + 2 c_s                      first microbatch's path through s and its cut
+    a_s    = F_s + B_s + 2 c_s + l_s                first microbatch's path through s and its cut
     G_s    = max(busy_s, a_s + G_{s+1})             pipeline time seen from stage s
     H_s    = max(AR_s, H_{s+1} - (B_s + c_s))       allreduce time not hidden by the drain
-    T      = max(G_0 + max(0, H_0), floor)
+    T      = max(G_0 + max(0, H_0) + TIED, floor)
 
 F, B are the stage's times for a microbatch of b = global_batch / M samples: their op calls' fixed
 part as it is, the rest scaled from `cost_batch` (`Problem.prefix_times`, `roofline.rescaled_s`);
-c_s is the transfer of the cut after s over the link the placement uses (intra-node only when both
-stages sit on one node); AR_s is the ring allreduce of stage s's gradients over its replica group,
-alone on the network (`Network.allreduce_s`: the ring's steps share the links they cross). `floor` is the card floor
+c_s is the transfer of one microbatch over the cut after s, sharing the links with what crosses at
+once (`traffic.cut_s`: R round-robin replicas send R microbatches side by side); l_s is how much
+later than the first the next stage's last round-robin replica gets its first microbatch
+(`stagger_s`: one stage on one device feeding eight replicas hands them out one forward apart);
+AR_s is the ring allreduce of stage s's gradients over its replica group,
+alone on the network (`Network.allreduce_s`: the ring's steps share the links they cross), less the
+tied parameters (an embedding and the LM head that reuses it) whose readers sit in other stages too:
+each of those is summed after the stages' own, over every device holding it (TIED, `tied_allreduces`),
+as `lower-comm` does. `floor` is the card floor
 (`dapple_ir.planner.traffic`): the bytes every cut (activations and gradients, M microbatches) and
 every allreduce push through each network card per iteration, over the card's bandwidth, at the
 busiest card; the activations and allreduces that share a card add up there. With equal stages and
@@ -63,7 +69,7 @@ from dapple_ir.cluster.roofline import fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
-from dapple_ir.ir import InstrKind, Module
+from dapple_ir.ir import InstrKind, Module, OpKind
 from dapple_ir.planner.traffic import busiest, cut_crossings, cut_s, ring_crossings, ring_step_bytes
 from dapple_ir.schedules import ScheduleRequest, build_schedule
 
@@ -102,6 +108,10 @@ class Problem:
     calls' fixed cost, `roofline.fixed_s`); empty: none."""
     bwd_fixed_s: list[float] = field(default_factory=list)
     """The same for the backward."""
+    tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
+    reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
+    `lower-comm` leaves it out of their stage allreduces and sums it once over every device holding it."""
     network: Network = field(init=False, repr=False, compare=False)
     """The cluster's links (built from `cluster`)."""
 
@@ -179,7 +189,38 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         names=[layer.name for layer in module.layers],
         fwd_fixed_s=[sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
         bwd_fixed_s=[sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
+        tied=_tied_layers(module),
     )
+
+
+def _tied_layers(module: Module) -> list[tuple[float, tuple[int, ...]]]:
+    """(bytes, reading layers) of each trainable parameter that more than one layer reads."""
+    readers: dict[str, set[int]] = {}
+    for k, layer in enumerate(module.layers):
+        for op in layer.ops:
+            names = set(op.attrs.params or ()) | ({op.target} if op.kind is OpKind.GET_ATTR and op.target else set())
+            for name in names:
+                readers.setdefault(name, set()).add(k)
+    table = {p.name: p for p in module.params if not p.attrs.buffer}
+    return [(float(table[n].nbytes), tuple(sorted(ks))) for n, ks in readers.items() if len(ks) > 1 and n in table]
+
+
+def tied_allreduces(problem: Problem, cand: Candidate) -> tuple[list[float], list[tuple[float, tuple[int, ...]]]]:
+    """Per stage, the tied-parameter bytes its own allreduce leaves out; and (bytes, devices) of each
+    tied parameter's allreduce over every device of the stages reading it (the parameters whose readers
+    share one stage stay in its allreduce)."""
+    stage_of = [k for k, st in enumerate(cand.stages) for _ in range(st.lo, st.hi)]
+    left_out = [0.0] * len(cand.stages)
+    rings: list[tuple[float, tuple[int, ...]]] = []
+    for nbytes, layers in problem.tied:
+        stages = sorted({stage_of[layer] for layer in layers})
+        if len(stages) < 2:
+            continue
+        for layer in layers:
+            left_out[stage_of[layer]] += nbytes
+        devices = tuple(sorted({d for k in stages for d in cand.stages[k].devices}))
+        rings.append((nbytes, devices))
+    return left_out, rings
 
 
 @dataclass(frozen=True)
@@ -315,14 +356,27 @@ def with_replication(problem: Problem, cand: Candidate, mode: str) -> Candidate 
     return dataclasses.replace(cand, split=split if any(split) else ())
 
 
+def stagger_s(fwd: float, replicas: int, split: bool, next_replicas: int, next_split: bool, microbatches: int) -> float:
+    """How much later than the first the last replica of the next stage gets its first microbatch.
+
+    Round-robin replicas of the next stage take microbatches 0, 1, ... in turn, and this stage hands
+    them out as it finishes them: R of them every forward when its R replicas take whole microbatches,
+    one every forward when it splits each. So the next stage's last replica k = min(R', M) - 1 starts
+    floor(k / R) forwards after the first (a split next stage gets every microbatch on all replicas at once).
+    """
+    if next_split or next_replicas <= 1:
+        return 0.0
+    last = min(next_replicas, microbatches) - 1
+    return (last // (1 if split else replicas)) * fwd
+
+
 def cut_transfer_s(
     problem: Problem, a: tuple[int, ...], b: tuple[int, ...], split: tuple[bool, bool], nbytes: float, rows: int
 ) -> float:
-    """c: one microbatch's transfer over a cut of `nbytes`. Round robin on both sides, over the
-    slowest link a whole microbatch crosses (`cut_link`, the rule the ILP prices too); where a stage
-    splits, sharing the links with the pieces and microbatches that cross at once (`traffic.cut_s`)."""
-    if not any(split):
-        return cut_link(problem.cluster, a, b).transfer_s(nbytes)
+    """c: one microbatch's transfer over a cut of `nbytes`, sharing the links with the pieces and
+    microbatches that cross at once (`traffic.cut_s`): a split stage's pieces of one microbatch, a
+    round-robin stage's R replicas' microbatches side by side (eight replicas on one server behind one
+    card send eight microbatches through it together)."""
     per_byte, latency = cut_s(problem.network, a, b, split, rows)
     return latency + nbytes * per_byte if nbytes > 0 and per_byte > 0 else 0.0
 
@@ -389,6 +443,7 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
     network = problem.network
     loads: dict[int, float] = {}
+    left_out, tied_rings = tied_allreduces(problem, cand)
     for s in range(n - 1, -1, -1):
         st = cand.stages[s]
         # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
@@ -407,15 +462,23 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
             split = (cand.splits(s), cand.splits(s + 1))
             c = cut_transfer_s(problem, st.devices, after, split, nbytes, b)
             _add(loads, cut_crossings(network, st.devices, after, m, split, b), nbytes)
-        grads = problem.pg[st.hi] - problem.pg[st.lo]
+        grads = max(0.0, problem.pg[st.hi] - problem.pg[st.lo] - left_out[s])
         _add(loads, ring_crossings(network, st.devices), ring_step_bytes(grads, st.replicas))
         ar = network.allreduce_s(grads, st.devices)
-        g = max(busy, share * (fwd + bwd) + 2 * c + g)
+        late = 0.0
+        if s < n - 1:
+            nxt = cand.stages[s + 1]
+            late = stagger_s(fwd, st.replicas, cand.splits(s), nxt.replicas, cand.splits(s + 1), m)
+        g = max(busy, share * (fwd + bwd) + 2 * c + late + g)
         h = max(ar, h - (bwd + c))
         busies[s] = busy
         peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s))
         caps[s] = min(problem.capacity(d) for d in st.devices)
+    # The tied parameters' allreduces follow every stage's own, on every device holding a copy.
     tail = max(0.0, h)
+    for nbytes, devices in tied_rings:
+        _add(loads, ring_crossings(network, devices), ring_step_bytes(nbytes, len(devices)))
+        tail += network.allreduce_s(nbytes, devices)
     _card, floor = busiest(network, loads, network.card_links)
     link, seconds = busiest(network, loads)
     name = network.links[link].name if link >= 0 else ""

@@ -35,6 +35,7 @@ from dapple_ir.planner.cost_model import (
     evaluate,
     stage_rows,
     stage_start,
+    stagger_s,
 )
 from dapple_ir.planner.traffic import cut_crossings, cut_s, ring_crossings, ring_step_bytes
 
@@ -158,7 +159,8 @@ def solve(
 
     @cache
     def split_cut(start: int, r: int, child_start: int, child_r: int) -> tuple[float, float]:
-        """A cut with a split side: seconds per byte of one microbatch and latency (`cut_s`)."""
+        """A cut's seconds per byte of one microbatch and latency, sharing links with what crosses at
+        once (`cut_s`); on clusters of many cards only cuts with a split side (the others: one link)."""
         a, b = order[start : start + r], order[child_start : child_start + child_r]
         both = (r in split_counts, child_r in split_counts)
         return cut_s(network, a, b, both, problem.microbatch_size(microbatches))
@@ -252,12 +254,19 @@ def solve(
                     # No child can break the memory or stage limit: at most `per` microbatches are held
                     # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
                     for child in children:
-                        if split_here or child[_REPLICAS] in split_counts:
+                        if vector or split_here or child[_REPLICAS] in split_counts:
                             per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
                             c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
                         else:
                             c = c_intra if (single and child[_ALONE]) else c_inter
-                        g = path + 2 * c + child[_G]
+                        g = (
+                            path
+                            + 2 * c
+                            + child[_G]
+                            + stagger_s(
+                                fwd, r, split_here, child[_REPLICAS], child[_REPLICAS] in split_counts, microbatches
+                            )
+                        )
                         if busy > g:
                             g = busy
                         if g > bound:
@@ -280,12 +289,19 @@ def solve(
                         held = per
                     if n > limit or static + held * act > cap:
                         continue
-                    if split_here or child[_REPLICAS] in split_counts:
+                    if vector or split_here or child[_REPLICAS] in split_counts:
                         per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
                         c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
                     else:
                         c = c_intra if (single and child[_ALONE]) else c_inter
-                    g = path + 2 * c + child[_G]
+                    g = (
+                        path
+                        + 2 * c
+                        + child[_G]
+                        + stagger_s(
+                            fwd, r, split_here, child[_REPLICAS], child[_REPLICAS] in split_counts, microbatches
+                        )
+                    )
                     if busy > g:
                         g = busy
                     if g > bound:

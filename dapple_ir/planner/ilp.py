@@ -22,9 +22,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_ir.cluster.topology import Network
-from dapple_ir.planner.cost_model import _PATH_SHARE, Candidate, Estimate, Problem, candidate, evaluate, in_flight
+from dapple_ir.planner.cost_model import (
+    _PATH_SHARE,
+    Candidate,
+    Estimate,
+    Problem,
+    candidate,
+    evaluate,
+    in_flight,
+    stagger_s,
+)
 from dapple_ir.planner.dp import replica_choices
-from dapple_ir.planner.traffic import cut_crossings, ring_crossings, ring_step_bytes
+from dapple_ir.planner.traffic import cut_crossings, cut_s, ring_crossings, ring_step_bytes
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -95,9 +104,6 @@ def solve_ilp(
     pa = _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT)
     ps = _ints(problem.ps, _MEMORY_UNIT)
     pg = [round(v) for v in problem.pg]
-    cut = [0.0, *(problem.cut_bytes[j] * b / problem.batch for j in range(layers))]
-    c_intra = _ints([cluster.intra.transfer_s(x) for x in cut], unit)
-    c_inter = _ints([cluster.inter.transfer_s(x) for x in cut], unit)
     cap = int(problem.capacity(0) // _MEMORY_UNIT)
     choices = [r for r in replica_choices(cluster) if r <= m]
 
@@ -138,6 +144,7 @@ def solve_ilp(
     network = problem.network
     # The cut after a stage on devices [o, o + r) into r2 replicas: its transfers on each card.
     cut_cards = _cut_cards(network, choices, m, n_dev) if stages > 1 else {}
+    cut_times = _cut_times(network, choices, n_dev, b, unit) if stages > 1 else {}
     # Past a size the card floor is left out (the model would not solve in time); the cost model
     # still counts it when it evaluates the plan found.
     floored = (stages - 1) * sum(len(on) for on in cut_cards.values()) <= FLOOR_TERMS
@@ -192,8 +199,8 @@ def solve_ilp(
                         card_load[link].append(rings[link])
                     # k steps of 2(r-1)/r of the gradients each, in whole bytes.
                     md.add(r * rings[link] >= 2 * (r - 1) * k * grads).only_enforce_if(place)
-        if cards and s < stages - 1:
-            x_s = element(e[s + 1], cut_x, f"x{s}")
+        x_s = element(e[s + 1], cut_x, f"x{s}") if s < stages - 1 else None
+        if cards and x_s is not None:
             _cut_loads(
                 md,
                 card_load,
@@ -203,22 +210,39 @@ def solve_ilp(
                 (x_s, most * max(cut_x)),
                 s,
             )
+        # c: the cut's transfer at this stage's placement and the next stage's replica count (which
+        # starts where this one ends), sharing links as `cost_model.cut_transfer_s` says; `late`: how
+        # much later the next stage's last round-robin replica starts (`cost_model.stagger_s`).
         c = md.new_int_var(0, big, f"c{s}")
-        if s < stages - 1:
-            intra = md.new_bool_var(f"intra{s}")
-            md.add(first_node[s] == last_node[s + 1]).only_enforce_if(intra)
-            md.add(first_node[s] != last_node[s + 1]).only_enforce_if(intra.negated())
-            ci = element(e[s + 1], c_intra, f"ci{s}")
-            cx = element(e[s + 1], c_inter, f"cx{s}")
-            md.add(c == ci).only_enforce_if(intra)
-            md.add(c == cx).only_enforce_if(intra.negated())
+        late = md.new_int_var(0, big, f"late{s}")
+        if x_s is not None:
+            nexts = dict(zip(choices, onehot[s + 1], strict=True))
+            # A cut that carries no bytes costs nothing, not even a latency (as the cost model has it). c is
+            # pinned (rounded up), not just bounded: a longer c would shorten the unhidden allreduce H.
+            carries = md.new_bool_var(f"carries{s}")
+            md.add(x_s >= 1).only_enforce_if(carries)
+            md.add(x_s == 0).only_enforce_if(carries.negated())
+            md.add(c == 0).only_enforce_if(carries.negated())
+            for (o, r), place in y[s].items():
+                for r2, nxt in nexts.items():
+                    lat, coef = cut_times.get((o, r, r2), (0, 0))
+                    if coef == 0:
+                        md.add(c == 0).only_enforce_if([place, nxt])
+                        continue
+                    exact = lat * 2**16 + coef * x_s
+                    md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
+                    md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
+            for r, here in zip(choices, onehot[s], strict=True):
+                for r2, nxt in nexts.items():
+                    md.add(late == round(stagger_s(1.0, r, False, r2, False, m)) * f).only_enforce_if([here, nxt])
         else:
             md.add(c == 0)
+            md.add(late == 0)
         g, h = md.new_int_var(0, big, f"G{s}"), md.new_int_var(-big, big, f"H{s}")
         md.add(g >= busy)
         md.add(h >= ar)
         if g_next is not None and h_next is not None:
-            md.add(4 * g >= share_num * (f + bw) + 8 * c + 4 * g_next)
+            md.add(4 * g >= share_num * (f + bw) + 8 * c + 4 * late + 4 * g_next)
             md.add(h >= h_next - bw - c)
         g_next, h_next, g0, h0 = g, h, g, h
     assert g0 is not None and h0 is not None
@@ -272,6 +296,19 @@ def _cut_cards(network: Network, choices: list[int], microbatches: int, n_dev: i
                 if o + r + r2 <= n_dev:
                     crossings = cut_crossings(network, range(o, o + r), range(o + r, o + r + r2), microbatches)
                     table[(o, r, r2)] = [(link, round(k)) for link, k in crossings.items() if link in cards]
+    return table
+
+
+def _cut_times(network: Network, choices: list[int], n_dev: int, rows: int, unit: float) -> dict[tuple, tuple]:  # type: ignore[type-arg]
+    """(o, r, r2) -> (latency, seconds per byte x 2**16) in `unit`s: one microbatch's cut from devices
+    [o, o + r) to the r2 after them, the transfers that cross at once sharing links (`traffic.cut_s`)."""
+    table = {}
+    for r in choices:
+        for o in range(n_dev - r + 1):
+            for r2 in choices:
+                if o + r + r2 <= n_dev:
+                    per_byte, latency = cut_s(network, range(o, o + r), range(o + r, o + r + r2), (False, False), rows)
+                    table[(o, r, r2)] = (round(latency / unit), round(per_byte / unit * 2**16))
     return table
 
 
