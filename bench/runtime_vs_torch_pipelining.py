@@ -11,10 +11,11 @@ before it when that op is a plain function such as a residual add), driven by `S
 zero-bubble schedule closest to ZB-H1: `ScheduleZBVZeroBubble` needs two stages per rank), launched
 by the same torchrun. Interleaved schedules are left out: the comparison needs one stage per rank.
 
-Idle per rank: from our measured timeline, the share of each step (first rank's start to last
-rank's end) a rank spent outside forward/backward spans, median over the steps after warm-up; beside
-it the simulator's bubble for the same plan with each stage's forward and backward durations set to
-the measured medians (ideal links), i.e. the idle the schedule itself implies.
+Waiting per rank, measured beside simulated, one definition for both: the share of the step period a rank
+spends waiting for other ranks; all else it does (compute, optimizer step, the host's own work) is busy. The
+simulator gets what the run measured: compute spans, each rank's host work, its optimizer step, and a link
+fitted to the transfers (`simulated_waiting`). A second table measures what early receive posts buy: a few
+cases also run, inside each A/B pair, a copy of our plan whose rank files post no receive early.
 
 Per run: every rank records each step's wall-clock start and end; a step's time is the gap between
 the last rank finishing it and the last rank finishing the step before, and the run's figure is the
@@ -31,17 +32,21 @@ peak RSS of the rank process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,9 @@ sys.path.insert(0, str(BENCH))
 
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link  # noqa: E402
+from dapple_ir.ir.parser import parse_module  # noqa: E402
+
 SPEC = {
     "tiny": "bench/bench_models.py:mlp_tiny",
     "bench": "bench/bench_models.py:mlp_bench",
@@ -59,6 +67,8 @@ SPEC = {
 }
 #: The model each size names, for the table.
 MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT"}
+#: (size, processes, schedule) of the cases also run without early receive posts (the ablation table).
+ABLATED = {("bench", 2, "1f1b"), ("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class Config:
     timeout: float = 120.0
     device: str = "cpu"
     """`cuda`: NCCL, one GPU per rank (bench/device_check.sh); else gloo on the CPU."""
+    early_posts: bool = True
+    """False: the ablation's plan, whose rank files post no receive ahead of its `recv` (`no_early_posts`)."""
 
 
 # ----------------------------------------------------------------------------- torch side (rank)
@@ -236,8 +248,10 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
     options = worker.RunOptions(
         steps=cfg.steps, optimizer="sgd", lr=cfg.lr, timeout=cfg.timeout, run_dir=str(out_dir), device=cfg.device
     )
-    # The very flags `dapple run` gives the worker it launches.
-    code = worker.main([str(plan_dir), *worker.worker_flags(options)])
+    # The very flags `dapple run` gives the worker it launches; the worker checks the rank files against codegen,
+    # which must then also leave the posts out.
+    with contextlib.nullcontext() if cfg.early_posts else no_early_posts():
+        code = worker.main([str(plan_dir), *worker.worker_flags(options)])
     if code != 0:
         raise SystemExit(code)
     report = json.loads((out_dir / f"rank_{rank}.json").read_text())
@@ -307,12 +321,38 @@ def compile_plan(cfg: Config, plan_dir: Path) -> dict[str, str]:
     return split_points(plan_dir)
 
 
+@contextlib.contextmanager
+def no_early_posts() -> Iterator[None]:
+    """Codegen as if the memory model allowed no receive to be posted ahead of its `recv`: rank files without
+    `rt.post_recv`, whose receives then go out with the sends just before them (`Runtime.recv`)."""
+    from dapple_ir.backends.torch import codegen
+
+    marks = codegen.recv_posts
+    codegen.recv_posts = lambda module, program: {}
+    try:
+        yield
+    finally:
+        codegen.recv_posts = marks
+
+
+def plan_without_early_posts(plan_dir: Path) -> Path:
+    """A copy of the plan whose rank files post no receive early (same plan.dapple, same schedule), sealed anew."""
+    from dapple_ir.backends.torch.codegen import emit_rank_programs
+    from dapple_ir.plan_dir import PLAN_JSON, write_plan_json
+
+    bare = plan_dir.with_name(plan_dir.name + "-no-early-posts")
+    shutil.copytree(plan_dir, bare, dirs_exist_ok=True)
+    with no_early_posts():
+        emit_rank_programs(parse_module((bare / "plan.dapple").read_text(), str(bare / "plan.dapple")), bare)
+    write_plan_json(bare, json.loads((bare / PLAN_JSON).read_text()))
+    return bare
+
+
 def split_points(plan_dir: Path) -> dict[str, str]:
     """Where torch must cut to match the plan: each later stage starts at the beginning of the module of its first
     computing op, or (an op outside any module of its own, a residual add) at the end of the module just before it.
     """
     from dapple_ir.ir import OpKind
-    from dapple_ir.ir.parser import parse_module
 
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     computing = [op for op in module.ops if op.kind not in (OpKind.INPUT, OpKind.GET_ATTR, OpKind.OUTPUT)]
@@ -332,85 +372,184 @@ def split_points(plan_dir: Path) -> dict[str, str]:
     return cuts
 
 
-def idle_shares(reports: list[dict[str, Any]], warmup: int) -> list[float]:
-    """Per rank: the median share of a step (first rank's start to last rank's end) spent outside compute spans."""
-    steps = sorted(int(k) for k in reports[0]["step_times"])[warmup:]
-    shares: list[list[float]] = [[] for _ in reports]
-    for k in steps:
-        start = min(float(r["step_times"][str(k)][0]) for r in reports)
-        end = max(float(r["step_times"][str(k)][1]) for r in reports)
-        for rank, r in enumerate(reports):
-            own = r["step_times"][str(k)]
-            busy = sum(
-                sp["end_s"] - sp["start_s"]
-                for sp in r["spans"]
-                if sp["kind"] in COMPUTE and own[0] <= sp["start_s"] and sp["end_s"] <= own[1]
-            )
-            shares[rank].append(1.0 - busy / (end - start))
-    return [median(v) for v in shares]
-
-
 #: Span kinds that run a stage's computation.
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+#: Span kinds in which a rank may wait for other ranks (on top of what the call itself costs it).
+WAITS = ("recv", "allreduce")
 
 
-def simulated_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int) -> list[float]:
-    """The simulator's bubble per rank for the plan, each stage's compute taking its measured median (ideal links)."""
+@dataclass(frozen=True)
+class RankCosts:
+    """What one rank's steps cost, measured: medians over the steps after warm-up."""
+
+    busy_s: float
+    """The rank's own step (its start to its end) less the time it waited for other ranks."""
+    optimizer_s: float
+    compute: dict[tuple[str, str], float]
+    """Median span of each (kind, stage) the rank computes."""
+    counts: dict[tuple[str, str], int]
+    """How many of each a step runs."""
+
+    @property
+    def work_factor(self) -> float:
+        """Busy time outside the optimizer step per second of median compute: 1 + the host's share (issuing
+        sends, posting receives, loads, frees, the memory meter, Python) that the simulator has no instruction for."""
+        compute = sum(self.compute[k] * n for k, n in self.counts.items())
+        return (self.busy_s - self.optimizer_s) / compute if compute > 0 else 1.0
+
+
+def _step_spans(report: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    start, end = report["step_times"][str(step)]
+    return [sp for sp in report["spans"] if start <= sp["start_s"] and sp["end_s"] <= end]
+
+
+def _steps(reports: list[dict[str, Any]], warmup: int) -> list[int]:
+    return sorted(int(k) for k in reports[0]["step_times"])[warmup:]
+
+
+def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
+    """Per rank: busy time, optimizer step and compute spans. A wait is a receive's (or allreduce's) span less
+    what the call costs when its data is already there, the rank's 10th percentile of those spans."""
+    costs = []
+    for r in reports:
+        waits = sorted(sp["end_s"] - sp["start_s"] for sp in r["spans"] if sp["kind"] in WAITS)
+        floor = waits[len(waits) // 10] if waits else 0.0
+        busy, optimizer, spans = [], [], []
+        for k in _steps(reports, warmup):
+            start, end = r["step_times"][str(k)]
+            step = _step_spans(r, k)
+            waited = sum(max(0.0, sp["end_s"] - sp["start_s"] - floor) for sp in step if sp["kind"] in WAITS)
+            busy.append(end - start - waited)
+            optimizer.append(sum(sp["end_s"] - sp["start_s"] for sp in step if sp["kind"] == "optimizer_step"))
+            spans.append([sp for sp in step if sp["kind"] in COMPUTE])
+        durations: dict[tuple[str, str], list[float]] = {}
+        for sp in (sp for step in spans for sp in step):
+            durations.setdefault((sp["kind"], sp["stage"]), []).append(sp["end_s"] - sp["start_s"])
+        counts = {key: len(v) // len(spans) for key, v in durations.items()}
+        compute = {key: median(v) for key, v in durations.items()}
+        costs.append(RankCosts(median(busy), median(optimizer), compute, counts))
+    return costs
+
+
+def waiting_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankCosts]) -> list[float]:
+    """Per rank: the share of the step period (`step_seconds`) it spent waiting for other ranks."""
+    period = step_seconds(reports, warmup)
+    return [max(0.0, 1.0 - c.busy_s / period) for c in costs]
+
+
+def message_seconds(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[tuple[float, float]]:
+    """(bytes, seconds) of each transfer whose receiver was already waiting when the sender issued it: from the
+    issue (the sender's next non-send instruction, which hands queued sends to the transport) to the receive's end."""
+    from dapple_ir.analysis.peak_memory import transfer_bytes
+
+    samples = []
+    for k in _steps(reports, warmup):
+        arrived: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for r in reports:
+            instrs = module.programs[r["rank"]].instrs
+            for sp in _step_spans(r, k):
+                if sp["kind"] == "recv":
+                    instr = instrs[sp["index"]]
+                    arrived[(instr.value, instr.grad, instr.mb, instr.rows, sp["peer"], r["rank"])] = sp
+        for r in reports:
+            instrs = module.programs[r["rank"]].instrs
+            step = sorted(_step_spans(r, k), key=lambda sp: sp["start_s"])
+            for i, sp in enumerate(step):
+                if sp["kind"] != "send":
+                    continue
+                instr = instrs[sp["index"]]
+                recv = arrived.get((instr.value, instr.grad, instr.mb, instr.rows, r["rank"], sp["peer"]))
+                issue = next((later["start_s"] for later in step[i + 1 :] if later["kind"] != "send"), None)
+                if recv is None or issue is None or not recv["start_s"] <= issue <= recv["end_s"]:
+                    continue
+                samples.append((transfer_bytes(module, instr.value, instr.rows), recv["end_s"] - issue))
+    return samples
+
+
+def fitted_link(samples: list[tuple[float, float]]) -> Link:
+    """latency + bytes / bandwidth, least squares over the samples; with one message size, its median as latency."""
+    if not samples:
+        return Link(math.inf, 0.0)
+    xs, ys = [b for b, _ in samples], [s for _, s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in samples) / spread if spread > 0 else 0.0
+    if slope <= 0:
+        return Link(math.inf, median(ys))
+    return Link(1.0 / slope, max(0.0, my - slope * mx))
+
+
+def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tuple[list[float], float]:
+    """The simulator's idle per rank, and its iteration, for the plan with what was measured: each stage's compute
+    its median span times its rank's `work_factor` (so a rank's simulated work per step is its measured busy
+    time), each rank's optimizer step its measured median, every transfer `link`."""
     from dapple_ir.analysis.memory import batch_scale
-    from dapple_ir.ir.parser import parse_module
-    from dapple_ir.sim.simulator import ideal_cluster, simulate
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
 
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
-    durations: dict[tuple[str, str], list[float]] = {}
-    for reports in runs:
-        for r in reports:
-            first = min(float(r["step_times"][str(k)][0]) for k in range(warmup, len(r["step_times"])))
-            for sp in r["spans"]:
-                if sp["kind"] in COMPUTE and sp["start_s"] >= first:
-                    durations.setdefault((sp["kind"], sp["stage"]), []).append(sp["end_s"] - sp["start_s"])
     scale = batch_scale(module)
     fractions: list[float] = []
-    for stage in module.stages:
-        fwd = median(durations.get(("forward", stage.name), [0.0]))
-        split = ("backward_input", stage.name) in durations
-        b_in = median(durations.get(("backward_input", stage.name), [0.0]))
-        b_w = median(durations.get(("backward_weight", stage.name), [0.0]))
-        bwd = b_in + b_w if split else median(durations.get(("backward", stage.name), [0.0]))
-        if split and bwd > 0:
-            fractions.append(b_in / bwd)
-        # Spread the measured time over the stage's ops in proportion to their modelled cost.
-        for attr, total in (("fwd_s", fwd), ("bwd_s", bwd)):
-            modelled = sum(getattr(op.attrs, attr) or 0.0 for op in stage.ops) * scale
-            for op in stage.ops:
-                own = getattr(op.attrs, attr) or 0.0
-                setattr(op.attrs, attr, own * total / modelled if modelled > 0 else total / scale / len(stage.ops))
+    for c in costs:
+        for stage in {module.stage(stage) for _, stage in c.compute}:
+            fwd, b_in, b_w, bwd = (
+                c.compute.get((kind, stage.name), 0.0) * c.work_factor
+                for kind in ("forward", "backward_input", "backward_weight", "backward")
+            )
+            if b_in + b_w > 0:
+                fractions.append(b_in / (b_in + b_w))
+                bwd = b_in + b_w
+            # Spread the time over the stage's ops in proportion to their modelled cost.
+            for attr, total in (("fwd_s", fwd), ("bwd_s", bwd)):
+                modelled = sum(getattr(op.attrs, attr) or 0.0 for op in stage.ops) * scale
+                for op in stage.ops:
+                    own = getattr(op.attrs, attr) or 0.0
+                    setattr(op.attrs, attr, own * total / modelled if modelled > 0 else total / scale / len(stage.ops))
     fraction = median(fractions) if fractions else 0.5
-    result = simulate(module, cluster=ideal_cluster(len(module.programs)), backward_input_fraction=fraction)
-    return list(result.bubble_fraction)
+    # The simulator costs an optimizer step as bytes / memory bandwidth: a probe at 1 byte/s gives each rank's
+    # bytes, and each rank gets its own device kind whose bandwidth turns them into the measured time.
+    probe = simulate(module, cluster=_measured_cluster([1.0] * len(costs), link), backward_input_fraction=fraction)
+    steps = [next(i for i, ins in enumerate(p.instrs) if ins.kind is InstrKind.OPTIMIZER_STEP) for p in module.programs]
+    moved = [probe.ends[r][i] - probe.starts[r][i] for r, i in enumerate(steps)]
+    bandwidths = [m / c.optimizer_s if c.optimizer_s > 0 < m else math.inf for m, c in zip(moved, costs, strict=True)]
+    result = simulate(module, cluster=_measured_cluster(bandwidths, link), backward_input_fraction=fraction)
+    return list(result.bubble_fraction), result.iteration_s
 
 
-def run_case(cfg: Config, pairs: int, work: Path, deadline: float) -> dict[str, Any]:
+def _measured_cluster(mem_bandwidths: list[float], link: Link) -> ClusterSpec:
+    """One device per node (a node per rank, so each rank has a device kind of its own), joined by `link`."""
+    kinds = tuple(DeviceKind(f"rank{r}", math.inf, {"f32": math.inf}, bw) for r, bw in enumerate(mem_bandwidths))
+    return ClusterSpec(kinds, 1, Link(math.inf, 0.0), link, name="measured")
+
+
+def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False) -> dict[str, Any]:
+    """Pairs of runs, ours then torch's (then, with `ablate`, ours without early receive posts), and the figures."""
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
+    bare = plan_without_early_posts(plan_dir) if ablate else None
     ours: list[list[dict[str, Any]]] = []
     theirs: list[list[dict[str, Any]]] = []
+    unposted: list[list[dict[str, Any]]] = []
     for k in range(pairs):
         if k > 0 and time.time() > deadline:
             break  # the benchmark's time budget: fewer pairs, never none
-        # A B A B: both sides see the same background load in each pair.
+        # A B (C) A B (C): every side sees the same background load in each pair.
         ours.append(launch("dapple", cfg, {"plan": str(plan_dir)}, work))
         theirs.append(launch("torch", cfg, {"cuts": cuts}, work))
+        if bare is not None:
+            unposted.append(launch("dapple", replace(cfg, early_posts=False), {"plan": str(bare)}, work))
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
-    idle = [idle_shares(r, cfg.warmup) for r in ours]
-    return {
+    waiting, simulated, sim_step = idle_vs_bubble(plan_dir, ours, cfg.warmup)
+    result = {
         "cuts": cuts,
         "ours_sps": cfg.global_batch / median(ours_s),
         "torch_sps": cfg.global_batch / median(theirs_s),
         "ratio": median([t / o for o, t in zip(ours_s, theirs_s, strict=True)]),
         "pairs": len(ours),
-        "idle": [median([run[r] for run in idle]) for r in range(cfg.procs)],
-        "bubble": simulated_bubble(plan_dir, ours, cfg.warmup),
+        "waiting": waiting,
+        "simulated": simulated,
+        "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
         "torch_held": [max(run[r]["peak_bytes"] for run in theirs) for r in range(cfg.procs)],
         "ours_rss": [median([run[r]["maxrss_bytes"] for run in ours]) for r in range(cfg.procs)],
@@ -418,6 +557,36 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float) -> dict[str, 
         "ours_loss": first_loss(ours[0]),
         "torch_loss": first_loss(theirs[0]),
     }
+    if bare is not None:
+        bare_s = [step_seconds(r, cfg.warmup) for r in unposted]
+        result["ablation"] = {
+            "sps": cfg.global_batch / median(ours_s),
+            "bare_sps": cfg.global_batch / median(bare_s),
+            "gain": median([b / o for o, b in zip(ours_s, bare_s, strict=True)]),
+            "waiting": waiting,
+            "bare_waiting": idle_vs_bubble(bare, unposted, cfg.warmup)[0],
+            "loss_equal": first_loss(ours[0]) == first_loss(unposted[0]),
+        }
+    return result
+
+
+def idle_vs_bubble(
+    plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
+) -> tuple[list[float], list[float], float]:
+    """Per rank, medians over the runs: the measured share of the step spent waiting for other ranks, and the
+    simulator's for the plan with each run's measured costs (`simulated_waiting`); and the simulated iteration."""
+    module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
+    measured, simulated, iterations = [], [], []
+    for reports in runs:
+        costs = rank_costs(reports, warmup)
+        measured.append(waiting_shares(reports, warmup, costs))
+        link = fitted_link(message_seconds(module, reports, warmup))
+        bubble, iteration = simulated_waiting(plan_dir, costs, link)
+        simulated.append(bubble)
+        iterations.append(iteration)
+    ranks = range(len(runs[0]))
+    by_rank = [median([m[r] for m in measured]) for r in ranks]
+    return by_rank, [median([s[r] for s in simulated]) for r in ranks], median(iterations)
 
 
 def _pct(values: list[float]) -> str:
@@ -454,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             Config("gpt-tiny", 2, "zb-h1", 4, 16, steps=3, warmup=1),
         ]
         pairs = 1
+        ablated = {("tiny", 2, "1f1b")}
     else:
         cases = [
             Config(size, p, s, m, batch, steps=steps, warmup=2, device=args.device)
@@ -463,32 +633,46 @@ def main(argv: list[str] | None = None) -> int:
             for m in [4 if size == "gpt" and p == 2 else 8]
         ]
         pairs = args.pairs
+        ablated = ABLATED
     table = Table(
         "Our runtime vs torch.distributed.pipelining "
         + ("(CUDA, NCCL, one GPU per rank)" if args.device == "cuda" else "(CPU, gloo, 1 thread per rank)"),
         ["model", "procs", "schedule", "M", "ours samples/s", "torch samples/s", "speed-up (torch time / ours)",
-         "ours idle % per rank", "simulated bubble % per rank", "worst idle gap (points)",
-         "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank", "torch RSS MiB per rank",
-         "step-0 loss ours", "step-0 loss torch", "pairs"],
+         "ours waiting % per rank", "simulated waiting % per rank", "worst waiting gap (points)",
+         "simulated / measured step", "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank",
+         "torch RSS MiB per rank", "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
-    report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table])
+    ablation = Table(
+        "What early receive posts buy (ours with every change vs ours without early posts)",
+        ["model", "procs", "schedule", "M", "samples/s with", "samples/s without", "speed-up (time without / with)",
+         "waiting % per rank with", "waiting % per rank without", "same step-0 loss", "pairs"],
+    )  # fmt: skip
+    report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
+    # Each case's share of the budget is its share of the runs (an ablated case runs three sides per pair).
+    weights = [3 if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-rt-") as tmp:
         for k, cfg in enumerate(cases):
-            deadline = started + args.budget * (k + 1) / len(cases)
+            deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
-                r = run_case(cfg, pairs, Path(tmp), deadline)
+                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] == 3)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 12)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 13)
                 continue
-            gap = max(abs(i - b) for i, b in zip(r["idle"], r["bubble"], strict=True))
+            gap = max(abs(i - b) for i, b in zip(r["waiting"], r["simulated"], strict=True))
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
-                _pct(r["idle"]), _pct(r["bubble"]), 100 * gap,
+                _pct(r["waiting"]), _pct(r["simulated"]), 100 * gap, r["sim_over_measured"],
                 _mb(r["ours_held"]), _mb(r["torch_held"]), _mb(r["ours_rss"]), _mb(r["torch_rss"]),
                 r["ours_loss"], r["torch_loss"], r["pairs"],
             )  # fmt: skip
+            if "ablation" in r:
+                a = r["ablation"]
+                ablation.add(
+                    MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, a["sps"], a["bare_sps"], a["gain"],
+                    _pct(a["waiting"]), _pct(a["bare_waiting"]), "yes" if a["loss_equal"] else "NO", r["pairs"],
+                )  # fmt: skip
             ratios.append(r["ratio"])
             report.headlines.append(
                 f"{MODEL[cfg.size]} {cfg.procs} procs {cfg.schedule}: ours {r['ratio']:.2f}x the speed of "
@@ -507,11 +691,34 @@ def main(argv: list[str] | None = None) -> int:
         "zb-h1 on the torch side: ScheduleInterleavedZeroBubble with one stage per rank; a stage output that "
         "is a view (a Linear's output on a 3-D input) is copied there, since torch's zero-bubble backward "
         "detaches outputs in place and fails on views.",
-        "idle = share of the step a rank spends outside forward/backward; simulated bubble = the simulator's idle "
-        "for the same plan with the measured stage durations and free links; gap = the larger difference.",
+        "waiting (both sides alike) = share of the step period a rank spends waiting for other ranks; everything "
+        "else it does is busy: compute, the optimizer step and the host's own work (issuing sends, posting "
+        "receives, loads, frees, the memory meter, Python between calls). Measured: period = median gap between "
+        "the steps' ends (as samples/s), busy = the rank's own step less its waits, a wait being a receive's span "
+        "less the rank's 10th-percentile receive span (what a receive costs when its data is there). Simulated: "
+        "the simulator on the plan with what that run measured: each compute instruction its median span, scaled "
+        "per rank so that the rank's simulated work equals its measured busy time (the host's work spread over its "
+        "computations), each rank's optimizer step its measured median, every transfer latency + bytes/bandwidth "
+        "fitted to the transfers whose receiver was already waiting (from the send's issue to the receive's end). "
+        "Both then share each rank's busy time, so the gap is busy x (1/measured period - 1/simulated step): "
+        "'simulated / measured step' says how much of it is the step time. What the simulator cannot see is "
+        "variance: on 2 cores, the ranks and gloo's socket threads time-share (4 processes on 2 cores: half the "
+        "ranks run at a time), so a compute span now and then takes several times its median and the peer "
+        "waits; a simulator of median costs predicts the period of an undisturbed step, and waiting below it.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
         "peak over the run; RSS = peak resident set of the rank process (includes the ~300 MiB of torch itself).",
         f"load average (1, 5, 15 min) at the end: {load}.",
+    ]
+    ablation.notes += [
+        "with = the plan as compiled; without = the same plan.dapple with rank files generated as if "
+        "`peak_memory.recv_posts` marked nothing (no `rt.post_recv`: each receive goes out with the sends just "
+        "before it, at its `recv`); the two run back to back inside each A/B pair of the table above, with the "
+        "torch run between them; the speed-up is the median over pairs of (step time without / with).",
+        "the other changes cannot be told apart on CPU/gloo, so they are not measured here: sends issued together "
+        "(`Transport.exchange`) are one `batch_isend_irecv` group only on NCCL, on gloo a plain loop of isends "
+        "either way; the single host read of the losses per step and the stream waits instead of host waits "
+        "save device-to-host synchronisation, which does not exist on the CPU (a CPU tensor's `.item()` costs "
+        "nothing to wait for). They show, if at all, in bench/device_check.sh's CUDA run.",
     ]
     return report.finish(started, args.json, _plot(table, plot_path(args.json, "runtime_vs_torch_pipelining.png")))
 

@@ -119,12 +119,44 @@ def test_predicted_vs_measured_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
-    t = only_table(run_quick("runtime_vs_torch_pipelining", tmp_path), "Our runtime vs torch")
+    tables = run_quick("runtime_vs_torch_pipelining", tmp_path)
+    t = only_table(tables, "Our runtime vs torch")
     assert all(x > 0 for x in numbers(t, "ours samples/s"))
     assert all(x > 0 for x in numbers(t, "torch samples/s"))
+    assert all(x > 0 for x in numbers(t, "simulated / measured step"))
     # Same seed, same data, same split: both sides compute the same first loss.
     for ours, theirs in zip(numbers(t, "step-0 loss ours"), numbers(t, "step-0 loss torch"), strict=True):
         assert ours == pytest.approx(theirs, rel=1e-5)
+    ablation = only_table(tables, "What early receive posts buy")
+    assert all(x > 0 for x in numbers(ablation, "samples/s without"))
+    # Posting a receive early changes when it is issued, never what arrives: the same losses.
+    assert [row[ablation.columns.index("same step-0 loss")] for row in ablation.rows] == ["yes"]
+
+
+def test_runtime_bench_fits_the_link_and_finds_the_waits() -> None:
+    import runtime_vs_torch_pipelining as rt
+
+    link = rt.fitted_link([(1e3, 1e-4 + 1e3 / 1e9), (1e6, 1e-4 + 1e6 / 1e9), (4e6, 1e-4 + 4e6 / 1e9)])
+    assert link.latency == pytest.approx(1e-4) and link.bandwidth == pytest.approx(1e9)
+    one_size = rt.fitted_link([(64.0, 3e-4), (64.0, 1e-4), (64.0, 2e-4)])
+    assert (one_size.latency, one_size.bandwidth) == (pytest.approx(2e-4), math.inf)
+
+    def span(kind: str, start: float, end: float) -> dict[str, object]:
+        return {"kind": kind, "start_s": start, "end_s": end, "stage": "s0"}
+
+    # Each 1 s step: 0.1 s forward, a receive that costs 0.01 s but waits 0.5 s, 0.2 s backward, 0.05 s optimizer.
+    spans, step_times = [], {}
+    for k in range(4):
+        t = float(k)
+        step_times[str(k)] = [t, t + 1.0]
+        spans += [span("recv", t, t + 0.01), span("forward", t + 0.01, t + 0.11)]
+        spans += [span("recv", t + 0.11, t + 0.62), span("backward", t + 0.62, t + 0.82)]
+        spans += [span("optimizer_step", t + 0.82, t + 0.87)]
+    (costs,) = rt.rank_costs([{"rank": 0, "spans": spans, "step_times": step_times}], warmup=1)
+    assert costs.busy_s == pytest.approx(0.5)
+    assert costs.optimizer_s == pytest.approx(0.05)
+    # Busy time beyond compute and the optimizer (the host's own work) scales the compute up.
+    assert costs.work_factor == pytest.approx(0.45 / 0.3)
 
 
 def test_run_all_renders_a_failed_benchmark_as_not_available(tmp_path: Path) -> None:
