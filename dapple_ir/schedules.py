@@ -109,7 +109,14 @@ def build_schedule(kind: str, request: ScheduleRequest) -> dict[Slot, list[Work]
 
 
 def restrict(by_group: dict[int, list[Work]], request: ScheduleRequest) -> dict[Slot, list[Work]]:
-    return {(g, j): [w for w in by_group.get(g, []) if w.mb % request.replicas[g] == j] for g, j in request.slots()}
+    slots: dict[Slot, list[Work]] = {slot: [] for slot in request.slots()}
+    for g, order in by_group.items():
+        if not 0 <= g < request.groups:
+            continue  # no device group of this request: nothing runs it
+        r = request.replicas[g]
+        for w in order:
+            slots[(g, w.mb % r)].append(w)
+    return slots
 
 
 @register_schedule("gpipe")

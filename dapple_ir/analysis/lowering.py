@@ -87,6 +87,7 @@ class _Lowering:
                     "rows alone, unlike one device on the whole microbatch; replicate this stage round robin"
                 )
         self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
+        self.groups: dict[Stage, tuple[int, ...]] = {}
 
     def peer(self, stage: Stage, replica: int) -> int:
         key = (stage.name, replica % stage.replicas)
@@ -219,9 +220,15 @@ class _Lowering:
         for name in sorted(program.attrs.stages or (), key=order.__getitem__, reverse=True):
             stage = self.module.stage(name)
             if stage.replicas > 1:
-                group = tuple(sorted(self.peer(stage, j) for j in range(stage.replicas)))
-                out.append(Instr(InstrKind.ALLREDUCE, stage=stage, group=group))
+                out.append(Instr(InstrKind.ALLREDUCE, stage=stage, group=self.group(stage)))
         return out
+
+    def group(self, stage: Stage) -> tuple[int, ...]:
+        """The ranks of a stage's replicas, ascending (asked once per stage, not once per member)."""
+        found = self.groups.get(stage)
+        if found is None:
+            found = self.groups[stage] = tuple(sorted(self.peer(stage, j) for j in range(stage.replicas)))
+        return found
 
     def tied_allreduces(self, rank: int) -> list[Instr]:
         out: list[Instr] = []
