@@ -203,3 +203,43 @@ def test_a_gradient_from_each_consumer_rank_is_awaited_on_its_own() -> None:
     grads_in = [i.peer or 0 for i in module.programs[0].instrs if i.kind is InstrKind.RECV and i.grad]
     assert sorted(grads_in) == [1, 2]
     assert simulate(module, cluster=_free_links(3)).iteration_s == pytest.approx(3 * (F_S + B_S), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_gpt2_planned_with_split_replicas_trains_like_one_device(tmp_path: Path) -> None:
+    # GPT-2 with its dropout, tied LM head and attention masks: the planner splits the first stage over
+    # two devices (cutting where every crossing value has the batch in dimension 0) and it trains exactly.
+    from dapple_ir.api import compile as compile_plan
+    from tests.test_hf_models import MODELS
+
+    out = tmp_path / "plan"
+    compile_plan(
+        MODELS["gpt2"], cluster="3xcpu", global_batch=8, stages=2, microbatches=2, replication="split", out_dir=out
+    )
+    module = parse_module((out / "plan.dapple").read_text())
+    assert [s.split for s in module.stages] == [True, False]
+    result = run(out, steps=2, check=True, transport="threads", timeout=120)
+    assert result.check is not None and result.check.ok, result.check
+
+
+def test_the_planner_never_splits_a_stage_lowering_cannot_slice() -> None:
+    # The CNN normalises over the batch (batch norm): no candidate of the whole search splits a stage
+    # holding such a layer, and every candidate the simulator saw lowered.
+    import functools
+
+    from dapple_ir.cluster.toml_file import resolve_cluster
+    from dapple_ir.frontend.spec_loader import capture_spec
+    from dapple_ir.passes.plan import lower_and_simulate
+    from dapple_ir.planner.cost_model import problem_from_module
+    from dapple_ir.planner.search import Request, search
+    from dapple_ir.registry import PassContext
+
+    module = capture_spec(CNN, device="meta")
+    PassManager(build_pipeline("annotate-cost,coarsen")).run(module, PassContext(cluster="8xcpu"))
+    problem = problem_from_module(module, resolve_cluster("8xcpu"), 64)
+    assert problem.unsplittable and not problem.can_split(0, problem.layers)
+    outcome = search(problem, Request(replication="split"), functools.partial(lower_and_simulate, module))
+    for scored in outcome.considered:
+        for k, st in enumerate(scored.cand.stages):
+            assert not (scored.cand.splits(k) and any(st.lo <= x < st.hi for x in problem.unsplittable))
+        assert not scored.note.startswith("not simulated"), scored.note

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
 from dapple_ir.cluster.roofline import fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.cluster.topology import Network
@@ -108,6 +109,12 @@ class Problem:
     calls' fixed cost, `roofline.fixed_s`); empty: none."""
     bwd_fixed_s: list[float] = field(default_factory=list)
     """The same for the backward."""
+    unsplittable: frozenset[int] = frozenset()
+    """Layers whose ops normalise over the batch (batch norm): a stage holding one cannot split its
+    microbatches (each replica would normalise its rows alone)."""
+    unsliceable: frozenset[int] = frozenset()
+    """Cuts (after layer k) that carry a value depending on the data without the batch in dimension 0
+    (a flattened [b * s, d]): a stage on either side of one cannot split (`lower-comm` could not slice it)."""
     tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
     reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
@@ -157,6 +164,12 @@ class Problem:
     def capacity(self, device: int) -> float:
         return self.cluster.device(device).memory_bytes
 
+    def can_split(self, lo: int, hi: int) -> bool:
+        """Can a stage of layers [lo, hi) split its microbatches over its replicas?"""
+        if self.unsliceable and ((lo - 1) in self.unsliceable or (hi - 1) in self.unsliceable):
+            return False
+        return not any(lo <= k < hi for k in self.unsplittable)
+
 
 def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int) -> Problem:
     """The planner's view of a coarsened module (`module.layers` must be set)."""
@@ -190,7 +203,24 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         fwd_fixed_s=[sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
         bwd_fixed_s=[sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
         tied=_tied_layers(module),
+        unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
+        unsliceable=_unsliceable_cuts(module),
     )
+
+
+def _unsliceable_cuts(module: Module) -> frozenset[int]:
+    """Cuts after layer k that a value crosses which depends on the data but has no batch dimension 0."""
+    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
+    dependent = batch_dependent(module)
+    found: set[int] = set()
+    for op in module.ops:
+        for v in op.operands:
+            if v.kind in (OpKind.INPUT, OpKind.GET_ATTR) or v not in dependent or batched(module, v):
+                continue
+            made, used = layer_of.get(v), layer_of.get(op)
+            if made is not None and used is not None and used > made:
+                found.update(range(made, used))
+    return frozenset(found)
 
 
 def _tied_layers(module: Module) -> list[tuple[float, tuple[int, ...]]]:
@@ -348,8 +378,9 @@ def with_replication(problem: Problem, cand: Candidate, mode: str) -> Candidate 
     None where that cannot run: a split stage needs a sample of each microbatch per replica, a
     round-robin one a microbatch per replica."""
     b, m = problem.microbatch_size(cand.microbatches), cand.microbatches
-    split = tuple(1 < r <= b for r in cand.replicas) if mode != "round-robin" else ()
-    if mode == "split" and any(r > b for r in cand.replicas if r > 1):
+    can = [1 < st.replicas <= b and problem.can_split(st.lo, st.hi) for st in cand.stages]
+    split = tuple(can) if mode != "round-robin" else ()
+    if mode == "split" and any(st.replicas > 1 and not ok for st, ok in zip(cand.stages, can, strict=True)):
         return None
     if any(r > m and not (k < len(split) and split[k]) for k, r in enumerate(cand.replicas)):
         return None
@@ -436,6 +467,11 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
             raise PlanError(
                 f"stage {k} splits microbatches of {b} samples over {st.replicas} replicas: "
                 "a split stage needs at least one sample per replica"
+            )
+        if cand.splits(k) and not problem.can_split(st.lo, st.hi):
+            raise PlanError(
+                f"stage {k} (layers {st.lo}-{st.hi - 1}) cannot split its microbatches: it normalises over the "
+                "batch, or a cut beside it carries a value without the batch in dimension 0"
             )
     share = _PATH_SHARE.get(cand.schedule, 1.0)
     n = len(cand.stages)

@@ -338,7 +338,14 @@ def solve(
         result.append(StageChoice(lo, best[_END], tuple(order[best[_START] : best[_START] + best[_REPLICAS]])))
         lo, best = best[_END], best[_CHILD]
     found = Candidate(tuple(result), microbatches, schedule, policy, "dp")
-    return dataclasses.replace(found, split=tuple(st.replicas in split_counts for st in result)) if split else found
+    if not split:
+        return found
+    # A stage that cannot split (batch norm, an unsliceable cut beside it) takes its microbatches round
+    # robin, which needs one per replica.
+    flags = tuple(st.replicas in split_counts and problem.can_split(st.lo, st.hi) for st in result)
+    if any(st.replicas > microbatches and not f for st, f in zip(result, flags, strict=True)):
+        return None
+    return dataclasses.replace(found, split=flags)
 
 
 def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placement: bool) -> tuple[_Entry, ...]:

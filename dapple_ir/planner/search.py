@@ -549,8 +549,10 @@ def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple
     for option in options:
         key = _plan_key(option)
         size = problem.microbatch_size(option.microbatches)
-        # More microbatches are smaller: a split stage needs a sample of each per replica.
-        if key in seen or any(st.replicas > size for k, st in enumerate(option.stages) if option.splits(k)):
+        # More microbatches are smaller: a split stage needs a sample of each per replica; a moved cut
+        # may put a split stage beside a cut it cannot slice.
+        splits = [st for k, st in enumerate(option.stages) if option.splits(k)]
+        if key in seen or any(st.replicas > size or not problem.can_split(st.lo, st.hi) for st in splits):
             continue
         seen.add(key)
         estimate = evaluate(problem, option)
