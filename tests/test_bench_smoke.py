@@ -92,6 +92,17 @@ def test_plan_quality_quick(tmp_path: Path) -> None:
     assert all(x >= 0.999 for x in numbers(t, "time-balanced"))
 
 
+def test_plan_dimensions_quick(tmp_path: Path) -> None:
+    tables = run_quick("plan_dimensions", tmp_path)
+    times = only_table(tables, "Simulated iteration time")
+    gains = only_table(tables, "Gain of each dimension")
+    assert all(x > 0 for x in numbers(times, "full"))
+    # The full search has every dimension the others lack, and ranks by the same simulator: taking one
+    # away never makes the plan faster (the fixed-cost-blind plan is priced with the fixed cost).
+    for column in ("no split", "no fixed cost"):
+        assert all(x >= 0.999 for x in numbers(gains, column))
+
+
 @pytest.mark.slow
 def test_compile_time_quick(tmp_path: Path) -> None:
     tables = run_quick("compile_time", tmp_path)

@@ -124,22 +124,17 @@ def prepare_model(plan: Plan) -> Prepared:
             f"`dapple compile {plan.model_spec} ...` (or run the model the plan was compiled from)"
         )
     batch = prepared.captured_module.attrs.batch
-    b = plan.microbatch_size
-    sliced = {hi - lo for s in plan.module.stages for lo, hi in (s.rows(j, b) for j in range(s.replicas))}
-    if not prepared.any_batch and sliced != {batch}:
-        raise DappleError(
-            f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could not "
-            f"keep dimension 0 symbolic, so the plan's stages cannot run on {sorted(sliced)} rows of a microbatch "
-            f"of {plan.microbatch_size}; let the model read the batch size from its inputs, or give the factory "
-            "example inputs of that many rows and compile again"
-        )
-    if not prepared.any_batch and batch != plan.microbatch_size:
-        raise DappleError(
-            f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could not "
-            f"keep dimension 0 symbolic, so microbatches of {plan.microbatch_size} cannot run through it; let the "
-            "model read the batch size from its inputs, or give the factory example inputs of the microbatch size "
-            f"({plan.microbatch_size}) and compile again"
-        )
+    if not prepared.any_batch:
+        b = plan.microbatch_size
+        # Samples each stage runs at once: the microbatch, or a split replica's rows of it.
+        needed = {hi - lo for s in plan.module.stages for lo, hi in (s.rows(j, b) for j in range(s.replicas))}
+        if needed != {batch}:
+            raise DappleError(
+                f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could "
+                f"not keep dimension 0 symbolic, so its stages cannot run on {', '.join(map(str, sorted(needed)))} "
+                f"sample(s) at a time (microbatches of {b}, split replicas taking their rows); let the model read the "
+                f"batch size from its inputs, or give the factory example inputs of that size ({b}) and compile again"
+            )
     return prepared
 
 
