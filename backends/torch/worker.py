@@ -132,7 +132,7 @@ def prepare_model(plan: Plan) -> Prepared:
             raise DappleError(
                 f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could "
                 f"not keep dimension 0 symbolic, so its stages cannot run on {', '.join(map(str, sorted(needed)))} "
-                f"sample(s) at a time (microbatches of {b}, split replicas taking their rows); let the model read the "
+                f"sample(s) at a time, as microbatches of {b} (split replicas: their rows) need; let the model read the "
                 f"batch size from its inputs, or give the factory example inputs of that size ({b}) and compile again"
             )
     return prepared
