@@ -127,13 +127,14 @@ def prepare_model(plan: Plan) -> Prepared:
     if not prepared.any_batch:
         b = plan.microbatch_size
         # Samples each stage runs at once: the microbatch, or a split replica's rows of it.
-        needed = {hi - lo for s in plan.module.stages for lo, hi in (s.rows(j, b) for j in range(s.replicas))}
+        needed = {hi - lo for s in plan.module.stages for lo, hi in (s.rows(j, b) for j in range(s.replicas))} or {b}
         if needed != {batch}:
             raise DappleError(
                 f"the graph of {plan.model_spec} only runs at the batch it was captured at ({batch}): export could "
                 f"not keep dimension 0 symbolic, so its stages cannot run on {', '.join(map(str, sorted(needed)))} "
-                f"sample(s) at a time, as microbatches of {b} (split replicas: their rows) need; let the model read the "
-                f"batch size from its inputs, or give the factory example inputs of that size ({b}) and compile again"
+                f"sample(s) at a time, as microbatches of {b} (split replicas: their rows) need; let the model read "
+                f"the batch size from its inputs, or give the factory example inputs of that size ({b}) and compile "
+                "again"
             )
     return prepared
 
