@@ -182,9 +182,10 @@ def _fifteen_one(module: Any, problem: Any) -> float | str:
 
 
 def _describe(cand: Any) -> str:
-    """`S=4 R=8,4,3,1 M=128` (`R=1 each` when no stage is replicated)."""
-    replicas = list(cand.replicas)
-    shown = f"{replicas[0]} each" if len(set(replicas)) == 1 else ",".join(map(str, replicas))
+    """`S=4 R=8,4,3,1 M=128` (`R=2 each` when every stage has as many; an `s` marks a stage that splits
+    each microbatch over its replicas, `R=15s,1`)."""
+    replicas = cand.replication().split(",")
+    shown = f"{replicas[0]} each" if len(set(replicas)) == 1 else ",".join(replicas)
     return f"S={len(replicas)} R={shown} M={cand.microbatches}"
 
 
