@@ -361,10 +361,11 @@ class Runtime:
             rec = self._record(stage, mb)
             if rec.deferred is None:
                 raise DappleError(f"backward_weight @{stage} mb = {mb} comes before its backward_input")
-            for wp in rec.deferred:
-                if wp.roots and wp.params:
-                    # Only the parameters accumulate: the input gradients were taken by backward_input.
-                    torch.autograd.backward(wp.roots, wp.grads, retain_graph=True, inputs=wp.params)
+            passes = [wp for wp in rec.deferred if wp.roots and wp.params]
+            for k, wp in enumerate(passes):
+                # Only the parameters accumulate: the input gradients were taken by backward_input. The
+                # last pass lets autograd free the graph's saved tensors at once, not when Python drops it.
+                torch.autograd.backward(wp.roots, wp.grads, retain_graph=k < len(passes) - 1, inputs=wp.params)
             self._release(stage, mb, rec)
 
     def send(
