@@ -193,6 +193,22 @@ def solve(
                 floor = new[k] * inverse[k]
         return tuple(new), floor
 
+    def crossing(
+        start: int, r: int, split_here: bool, one_node: bool, fwd: float, j: int, child: _Entry
+    ) -> tuple[float, float]:
+        """(c, l) of the cut after layer j - 1 from devices [start, start + r) into `child`: its transfer,
+        over the links it shares with what crosses at once (split sides, or every cut where the DP carries
+        each card), else over the one link the placement uses (`one_node`: intra-node); and how late the
+        child's last round-robin replica starts (`stagger_s`)."""
+        nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in split_counts
+        x = cut_bytes[j - 1] * cut_scale
+        if vector or split_here or nxt_split:
+            per_byte, lat = split_cut(start, r, child[_START], nxt)
+            c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+        else:
+            c = c_intra_at[j - 1] if one_node else c_inter_at[j - 1]
+        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, microbatches)
+
     # Per cut: its transfer over an intra- and an inter-node link, for this microbatch size.
     c_intra_at = [intra.transfer_s(x * cut_scale) for x in cut_bytes]
     c_inter_at = [inter.transfer_s(x * cut_scale) for x in cut_bytes]
@@ -245,7 +261,6 @@ def solve(
                         append((busy, ar, 1, alone, start, r, j, None, objective, loads, floor))
                     continue
                 x = cut_bytes[j - 1] * cut_scale
-                c_intra, c_inter = c_intra_at[j - 1], c_inter_at[j - 1]
                 path = share * (fwd + bwd)
                 children = suffix(j, start + r)
                 # Without per-card loads the floor is the stage's own ring's, or the suffix's.
@@ -254,19 +269,8 @@ def solve(
                     # No child can break the memory or stage limit: at most `per` microbatches are held
                     # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
                     for child in children:
-                        if vector or split_here or child[_REPLICAS] in split_counts:
-                            per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
-                            c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
-                        else:
-                            c = c_intra if (single and child[_ALONE]) else c_inter
-                        g = (
-                            path
-                            + 2 * c
-                            + child[_G]
-                            + stagger_s(
-                                fwd, r, split_here, child[_REPLICAS], child[_REPLICAS] in split_counts, microbatches
-                            )
-                        )
+                        c, late = crossing(start, r, split_here, single and child[_ALONE], fwd, j, child)
+                        g = path + 2 * c + late + child[_G]
                         if busy > g:
                             g = busy
                         if g > bound:
@@ -289,19 +293,8 @@ def solve(
                         held = per
                     if n > limit or static + held * act > cap:
                         continue
-                    if vector or split_here or child[_REPLICAS] in split_counts:
-                        per_byte, lat = split_cut(start, r, child[_START], child[_REPLICAS])
-                        c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
-                    else:
-                        c = c_intra if (single and child[_ALONE]) else c_inter
-                    g = (
-                        path
-                        + 2 * c
-                        + child[_G]
-                        + stagger_s(
-                            fwd, r, split_here, child[_REPLICAS], child[_REPLICAS] in split_counts, microbatches
-                        )
-                    )
+                    c, late = crossing(start, r, split_here, single and child[_ALONE], fwd, j, child)
+                    g = path + 2 * c + late + child[_G]
                     if busy > g:
                         g = busy
                     if g > bound:
