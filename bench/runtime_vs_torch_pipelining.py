@@ -8,8 +8,9 @@ same data) split by `torch.distributed.pipelining.pipeline` at the very ops wher
 `SplitPoint.BEGINNING` at the module of each stage's first op, or `SplitPoint.END` at the module just
 before it when that op is a plain function such as a residual add), driven by `ScheduleGPipe`,
 `Schedule1F1B` or, for zb-h1, `ScheduleInterleavedZeroBubble` with one stage per rank (torch's
-zero-bubble schedule closest to ZB-H1: `ScheduleZBVZeroBubble` needs two stages per rank), launched
-by the same torchrun. Interleaved schedules are left out: the comparison needs one stage per rank.
+zero-bubble schedule closest to ZB-H1: `ScheduleZBVZeroBubble` needs two stages per rank), and for
+interleaved (V = 2 stages per rank, stage k on rank k % ranks on both sides) `ScheduleInterleaved1F1B`,
+launched by the same torchrun.
 
 Waiting per rank, measured beside simulated, one definition for both: the share of the step period a rank
 spends waiting for other ranks; all else it does (compute, optimizer step, the host's own work) is busy. The
@@ -67,6 +68,8 @@ SPEC = {
 }
 #: The model each size names, for the table.
 MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT"}
+#: Each schedule compared, with its stages per rank.
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2}
 #: (size, processes, schedule) of the cases also run without early receive posts (the ablation table).
 ABLATED = {("bench", 2, "1f1b"), ("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
 
@@ -87,6 +90,8 @@ class Config:
     timeout: float = 120.0
     device: str = "cpu"
     """`cuda`: NCCL, one GPU per rank (bench/device_check.sh); else gloo on the CPU."""
+    virtual: int = 1
+    """Stages per rank (the interleaved schedule's V); stage k on rank k % procs on both sides."""
     early_posts: bool = True
     """False: the ablation's plan, whose rank files post no receive ahead of its `recv` (`no_early_posts`)."""
 
@@ -156,6 +161,7 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
         SplitPoint,
         pipeline,
@@ -177,20 +183,24 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
     example = x0[: cfg.global_batch // cfg.microbatches]
     points = {"beginning": SplitPoint.BEGINNING, "end": SplitPoint.END}
     pipe = pipeline(model, mb_args=(example,), split_spec={path: points[at] for path, at in cuts.items()})
-    if pipe.num_stages != world:
-        raise RuntimeError(f"torch split the model into {pipe.num_stages} stages at {cuts}, not {world}")
-    stage = pipe.build_stage(rank, device)
-    sub = pipe.get_stage_module(rank)
+    if pipe.num_stages != world * cfg.virtual:
+        raise RuntimeError(f"torch split the model into {pipe.num_stages} stages at {cuts}, not {world * cfg.virtual}")
+    # Stage k on rank k % world: Megatron's interleaved placement, as our plan's (one stage per rank at V = 1).
+    mine = range(rank, pipe.num_stages, world)
+    stages: list[Any] = [pipe.build_stage(k, device) for k in mine]
+    subs = [pipe.get_stage_module(k) for k in mine]
     del model
     if cfg.schedule == "zb-h1":
         # torch's zero-bubble backward detaches the stage's outputs in place, which a view (a Linear's
         # output on a 3-D input) refuses: such an output is copied once per microbatch, on torch's side.
-        sub.register_forward_hook(_owned_outputs)
-        schedule: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+        subs[0].register_forward_hook(_owned_outputs)
+        schedule: Any = ScheduleInterleavedZeroBubble(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+    elif cfg.schedule == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
     else:
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
-        schedule = kind(stage, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
-    params = list(sub.parameters())
+        schedule = kind(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+    params = [p for sub in subs for p in sub.parameters()]
     # A stage may hold only the loss (the planner's cut for a tiny model): nothing to optimise there.
     optimizer = torch.optim.SGD(params, lr=cfg.lr, foreach=False) if params else None
     meter = HeldMeter(params, optimizer)
@@ -309,15 +319,34 @@ def first_loss(reports: list[dict[str, Any]]) -> float:
 
 
 def compile_plan(cfg: Config, plan_dir: Path) -> dict[str, str]:
-    """`dapple compile` with stages, schedule and microbatches forced; where torch must cut to match it."""
+    """`dapple compile` with stages, schedule and microbatches forced; where torch must cut to match it. Where the
+    planner cut inside a module between plain ops (`torch.distributed.pipelining` cuts only at modules), the plan
+    is compiled again with its layers coarsened to the model's top-level modules, so that both cut alike."""
+    try:
+        return _compiled(cfg, plan_dir, [])
+    except Uncuttable:
+        from bench_models import build_model
+
+        modules = len(build_model(cfg.size)[0])
+        shutil.rmtree(plan_dir, ignore_errors=True)
+        return _compiled(cfg, plan_dir, ["--max-layers", str(modules)])
+
+
+class Uncuttable(RuntimeError):
+    """The plan cuts where `torch.distributed.pipelining` cannot."""
+
+
+def _compiled(cfg: Config, plan_dir: Path, extra: list[str]) -> dict[str, str]:
     cmd = [
         str(ROOT / ".venv" / "bin" / "dapple"), "compile", SPEC[cfg.size], "--cluster", f"{cfg.procs}xcpu",
-        "--global-batch", str(cfg.global_batch), "--stages", str(cfg.procs), "--microbatches",
-        str(cfg.microbatches), "--schedule", cfg.schedule, "--optimizer", "sgd", "-o", str(plan_dir),
+        "--global-batch", str(cfg.global_batch), "--stages", str(cfg.procs * cfg.virtual), "--virtual",
+        str(cfg.virtual), "--microbatches", str(cfg.microbatches), "--schedule", cfg.schedule, "--optimizer", "sgd",
+        "-o", str(plan_dir), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        raise RuntimeError(f"dapple compile failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
+        said = " | ".join((proc.stderr + proc.stdout).strip().splitlines()[-4:])
+        raise RuntimeError(f"dapple compile failed (exit {proc.returncode}): {said[-400:]}")
     return split_points(plan_dir)
 
 
@@ -357,9 +386,14 @@ def split_points(plan_dir: Path) -> dict[str, str]:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     computing = [op for op in module.ops if op.kind not in (OpKind.INPUT, OpKind.GET_ATTR, OpKind.OUTPUT)]
     cuts: dict[str, str] = {}
+    ranks = len({d for stage in module.stages for d in stage.attrs.devices or ()})
+    for k, stage in enumerate(module.stages):
+        if stage.replicas != 1 or stage.attrs.devices != (k % ranks,):
+            raise RuntimeError(
+                f"stage {stage.name} is on devices {list(stage.attrs.devices or ())}; the comparison needs stage k on "
+                f"rank k % {ranks} alone"
+            )
     for stage in module.stages[1:]:
-        if stage.replicas != 1:
-            raise RuntimeError(f"stage {stage.name} is replicated; the comparison needs one device per stage")
         members = set(stage.ops)
         k = next(k for k, op in enumerate(computing) if op in members)
         first, before = computing[k], computing[k - 1]
@@ -368,7 +402,7 @@ def split_points(plan_dir: Path) -> dict[str, str]:
         elif before.kind is OpKind.CALL_MODULE and before.attrs.module_path:
             cuts[before.attrs.module_path] = "end"
         else:
-            raise RuntimeError(f"stage {stage.name} starts between plain ops (%{first.name}); torch cannot cut there")
+            raise Uncuttable(f"stage {stage.name} starts between plain ops (%{first.name}); torch cannot cut there")
     return cuts
 
 
@@ -603,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later pairs are dropped past it")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="rank counts to compare (full run)")
+    parser.add_argument(
+        "--schedules", nargs="+", default=list(VIRTUAL), choices=list(VIRTUAL), help="schedules to compare (full run)"
+    )
+    parser.add_argument("--models", nargs="+", default=["bench", "gpt"], choices=["bench", "gpt"], help="(full run)")
     parser.add_argument("--rank-worker", choices=["torch", "dapple"], help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -626,10 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         ablated = {("tiny", 2, "1f1b")}
     else:
         cases = [
-            Config(size, p, s, m, batch, steps=steps, warmup=2, device=args.device)
+            Config(size, p, s, m, batch, steps=steps, warmup=2, device=args.device, virtual=v)
             for size, batch, steps in (("bench", 256, 12), ("gpt", 32, 8))
+            if size in args.models
             for p in args.procs
-            for s in ("gpipe", "1f1b", "zb-h1")
+            for s, v in VIRTUAL.items()
+            if s in args.schedules
             for m in [4 if size == "gpt" and p == 2 else 8]
         ]
         pairs = args.pairs

@@ -21,6 +21,7 @@ def test_two_processes_train_gpt_like_one_device(tmp_path: Path) -> None:
     result = run(plan, steps=2, check=True, transport="torchrun", timeout=60, device="cpu")
     assert result.check is not None and result.check.ok, result.check
     assert result.devices == ["cpu", "cpu", "cpu"]
+    assert len(result.peak_bytes) == 3 and all(peak > 0 for peak in result.peak_bytes)
     assert (plan / "timeline_measured.json").is_file()
     assert not list((plan / "run").glob("error_rank_*.json"))
 

@@ -7,14 +7,18 @@ nodes between the output and the stage input that are not a weight branch's entr
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.runtime import _capture, _weight_split
+from tests.test_runtime import MLP, make_plan
 
 torch.manual_seed(0)
 
@@ -123,3 +127,21 @@ def _input_path(out: torch.Tensor, leaf: torch.Tensor) -> set[Node]:
     assert out.grad_fn is not None
     visit(out.grad_fn)
     return {n for n, hit in reach.items() if hit and getattr(n, "variable", None) is None}
+
+
+def _graph_tensors() -> int:
+    """Live tensors that still belong to an autograd graph."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "1f1b"])
+def test_a_run_leaves_no_graph_behind(tmp_path: Path, kind: str) -> None:
+    # zb-h1's input pass retains the graph for the weight pass, which releases only the weight branches' nodes:
+    # a node that saved its own output (ReLU does) must not keep that output, and with it its own graph, alive.
+    # The first run also fills the caches a plan's loading keeps (its captured graph's example values).
+    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind=kind)
+    run(plan, steps=1, transport="threads", timeout=30)
+    after_one = _graph_tensors()
+    run(plan, steps=3, transport="threads", timeout=30)
+    assert _graph_tensors() == after_one

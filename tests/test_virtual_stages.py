@@ -100,6 +100,7 @@ def test_interleaved_without_virtual_lets_the_planner_choose_v() -> None:
         ("schedule=interleaved,virtual=3,stages=8", "8 stages do not split into device groups of virtual=3"),
         ("virtual=0", "virtual must be auto or a positive integer"),
         ("schedule=interleaved,virtual=2,stages=16", "each device group holds at most 2 virtual stages"),
+        ("schedule=interleaved,virtual=2,stages=2", "make 1 device group; interleaving needs at least two"),
     ],
 )
 def test_bad_virtual_requests_name_the_culprit(options: str, message: str) -> None:

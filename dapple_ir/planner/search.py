@@ -142,6 +142,12 @@ def validate(problem: Problem, req: Request) -> None:
             f"{req.stages} stages do not split into device groups of virtual={req.virtual} stages each; "
             f"ask for a multiple of {req.virtual} stages"
         )
+    if req.virtual is not None and req.virtual > 1 and req.stages is not None and req.stages < 2 * req.virtual:
+        raise PlanError(
+            f"{req.stages} stages with virtual={req.virtual} make {req.stages // req.virtual} device group; "
+            "interleaving needs at least two (it shrinks the bubble between groups, and one group has none): "
+            f"ask for {2 * req.virtual} stages or more (stages counts every virtual stage)"
+        )
     for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
         if count is not None and count < 1:
             raise PlanError(f"{what} must be auto or a positive integer, not {count}")
