@@ -1,9 +1,10 @@
 """Our runtime vs `torch.distributed.pipelining`: same model, same stage split, same schedule, CPU + gloo.
 
-For each (model, processes, schedule) the two sides alternate A B A B ...: ours is `dapple compile`
+For each (model, processes, schedule) the two sides alternate A B, B A, ... inside one torchrun launch (its
+rank processes run each side in turn, each run with a rendezvous of its own): ours is `dapple compile`
 of `bench/bench_models.py:mlp_bench` (MLP) or `:gpt_bench` (GPT-style, d=256, 8 blocks, seq 64,
 batch 32) with forced stage count, schedule and microbatch count and no replication, run by the
-worker that `dapple run` launches through torchrun; theirs is the same `nn.Sequential` (same seed,
+worker that `dapple run` launches; theirs is the same `nn.Sequential` (same seed,
 same data) split by `torch.distributed.pipelining.pipeline` at the very ops where our plan cut (a
 `SplitPoint.BEGINNING` at the module of each stage's first op, or `SplitPoint.END` at the module just
 before it when that op is a plain function such as a residual add), driven by `ScheduleGPipe`,
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import json
 import math
 import os
@@ -225,7 +228,7 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's end is when the GPU is done, as on our side
         step_times[str(step)] = [start, time.time()]
-        losses[str(step)] = {str(m): float(v) for m, v in enumerate(mb_losses)}
+        losses[str(step)] = {str(m): float(v.detach()) for m, v in enumerate(mb_losses)}
     dist.barrier()
     dist.destroy_process_group()
     report = {"rank": rank, "step_times": step_times, "peak_bytes": meter.peak, "losses": losses}
@@ -240,8 +243,63 @@ def _owned_outputs(_module: Any, _args: Any, output: Any) -> Any:
 
 
 def _write_rank(out_dir: Path, rank: int, report: dict[str, Any]) -> None:
-    report["maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["maxrss_bytes"] = _peak_rss()
     (out_dir / f"bench_rank_{rank}.json").write_text(json.dumps(report))
+
+
+def _fresh_peak() -> None:
+    """Start a new peak resident set: what the previous side freed goes back to the system (glibc's `malloc_trim`),
+    then Linux forgets the old peak (`clear_refs` 5), so that `_peak_rss` is the next side's own."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    """Peak resident bytes since `_fresh_peak` (VmHWM); where Linux has no such field, the process's peak."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
+    """One rank of a whole case: pair after pair, each side in turn in this one process (`launch_case`)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    cfg = Config(**payload["cfg"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's own store: rank 0 says whether another pair fits the budget, and every rank hears the same.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+        timeout=datetime.timedelta(seconds=cfg.timeout),
+    )  # fmt: skip
+    for k in range(payload["pairs"]):
+        if rank == 0:
+            store.set(f"dapple-bench/pair-{k}", "go" if k == 0 or time.time() < payload["deadline"] else "stop")
+        if store.get(f"dapple-bench/pair-{k}") != b"go":
+            break
+        # Every other pair in the reverse order: neither side always runs in the warmer process.
+        for side in payload["sides"] if k % 2 == 0 else payload["sides"][::-1]:
+            out = out_dir / f"{k}-{side['name']}"
+            out.mkdir(exist_ok=True)
+            _fresh_peak()
+            # A fresh rendezvous for each run: a process group initialised again on torchrun's store would find the
+            # previous run's keys there (gloo would dial its closed sockets). Rank 0 hosts a new store on a free port.
+            key = f"dapple-bench/port-{k}-{side['name']}"
+            if rank == 0:
+                store.set(key, str(free_port()))
+            os.environ["MASTER_PORT"] = store.get(key).decode()
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+            if side["name"] == "torch":
+                torch_rank(cfg, side["cuts"], out)
+            else:
+                dapple_rank(replace(cfg, early_posts=side["name"] == "ours"), Path(side["plan"]), out)
 
 
 # ----------------------------------------------------------------------------- our side (rank)
@@ -277,28 +335,46 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(side: str, cfg: Config, extra: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """Run one side under torchrun on 127.0.0.1; the per-rank reports, in rank order."""
-    out_dir = Path(tempfile.mkdtemp(prefix=f"{side}-", dir=work))
-    payload = json.dumps({"cfg": asdict(cfg), **extra})
+def launch_case(
+    cfg: Config, sides: dict[str, dict[str, Any]], pairs: int, deadline: float, work: Path
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """Run a case's pairs under one torchrun on 127.0.0.1, every side of a pair in the same rank processes (one
+    start-up per case, not per run: it is 10-16 s of a 4-rank launch on 2 cores). `sides` by name: `ours`, `torch`,
+    `bare` (our plan without early receive posts). Per side, per pair run, the rank reports in rank order."""
+    out_dir = Path(tempfile.mkdtemp(prefix="case-", dir=work))
+    payload = json.dumps(
+        {
+            "cfg": asdict(cfg),
+            "sides": [{"name": n, **v} for n, v in sides.items()],
+            "pairs": pairs,
+            "deadline": deadline,
+        }
+    )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.procs}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(Path(__file__).resolve()), "--rank-worker", side, "--payload", payload, "--out", str(out_dir),
+        str(Path(__file__).resolve()), "--rank-worker", "--payload", payload, "--out", str(out_dir),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{BENCH}{os.pathsep}{ROOT}"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=cfg.timeout + 120)
+    limit = pairs * len(sides) * (cfg.timeout + 60) + 120
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
     if proc.returncode != 0:
         # Our worker writes error_rank_<r>.json; otherwise the first exception line any rank printed.
-        reports = sorted(out_dir.glob("error_rank_*.json"))
+        reports = sorted(out_dir.glob("*/error_rank_*.json"))
         if reports:
-            raise RuntimeError(f"{side} run failed: {json.loads(reports[0].read_text())['message']}")
+            raise RuntimeError(f"{reports[0].parent.name} run failed: {json.loads(reports[0].read_text())['message']}")
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         errors = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b:", ln) and "ChildFailedError" not in ln]
-        raise RuntimeError(
-            f"{side} run failed ({proc.returncode}): " + (errors[0] if errors else " | ".join(lines[-3:]))
-        )
-    return [json.loads((out_dir / f"bench_rank_{r}.json").read_text()) for r in range(cfg.procs)]
+        raise RuntimeError(f"run failed ({proc.returncode}): " + (errors[0] if errors else " | ".join(lines[-3:])))
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in sides}
+    for k in range(pairs):
+        for name in sides:
+            run_dir = out_dir / f"{k}-{name}"
+            if run_dir.is_dir():
+                runs[name].append(
+                    [json.loads((run_dir / f"bench_rank_{r}.json").read_text()) for r in range(cfg.procs)]
+                )
+    return runs
 
 
 def step_seconds(reports: list[dict[str, Any]], warmup: int) -> float:
@@ -319,35 +395,30 @@ def first_loss(reports: list[dict[str, Any]]) -> float:
 
 
 def compile_plan(cfg: Config, plan_dir: Path) -> dict[str, str]:
-    """`dapple compile` with stages, schedule and microbatches forced; where torch must cut to match it. Where the
-    planner cut inside a module between plain ops (`torch.distributed.pipelining` cuts only at modules), the plan
-    is compiled again with its layers coarsened to the model's top-level modules, so that both cut alike."""
+    """`dapple compile` (its Python API, in this process) with stages, schedule and microbatches forced; where torch
+    must cut to match it. Where the planner cut inside a module between plain ops (`torch.distributed.pipelining`
+    cuts only at modules), the plan is compiled again with its layers coarsened to the model's top-level modules,
+    so that both cut alike."""
+    from dapple_ir.api import compile as dapple_compile
+
+    def compiled(max_layers: int | None) -> dict[str, str]:
+        dapple_compile(
+            str(ROOT / SPEC[cfg.size]), cluster=f"{cfg.procs}xcpu", global_batch=cfg.global_batch,
+            stages=cfg.procs * cfg.virtual, virtual=cfg.virtual, microbatches=cfg.microbatches,
+            schedule=cfg.schedule, optimizer="sgd", out_dir=plan_dir, max_layers=max_layers, force=True,
+        )  # fmt: skip
+        return split_points(plan_dir)
+
     try:
-        return _compiled(cfg, plan_dir, [])
+        return compiled(None)
     except Uncuttable:
         from bench_models import build_model
 
-        modules = len(build_model(cfg.size)[0])
-        shutil.rmtree(plan_dir, ignore_errors=True)
-        return _compiled(cfg, plan_dir, ["--max-layers", str(modules)])
+        return compiled(len(build_model(cfg.size)[0]))
 
 
 class Uncuttable(RuntimeError):
     """The plan cuts where `torch.distributed.pipelining` cannot."""
-
-
-def _compiled(cfg: Config, plan_dir: Path, extra: list[str]) -> dict[str, str]:
-    cmd = [
-        str(ROOT / ".venv" / "bin" / "dapple"), "compile", SPEC[cfg.size], "--cluster", f"{cfg.procs}xcpu",
-        "--global-batch", str(cfg.global_batch), "--stages", str(cfg.procs * cfg.virtual), "--virtual",
-        str(cfg.virtual), "--microbatches", str(cfg.microbatches), "--schedule", cfg.schedule, "--optimizer", "sgd",
-        "-o", str(plan_dir), *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        said = " | ".join((proc.stderr + proc.stdout).strip().splitlines()[-4:])
-        raise RuntimeError(f"dapple compile failed (exit {proc.returncode}): {said[-400:]}")
-    return split_points(plan_dir)
 
 
 @contextlib.contextmanager
@@ -550,6 +621,38 @@ def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tup
     return list(result.bubble_fraction), result.iteration_s
 
 
+def replayed_waiting(plan_dir: Path, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
+    """Per rank, the median over the measured steps of the simulator's waiting share when it replays that very step:
+    each forward, backward and optimizer step takes its measured span plus the rank's own work since its last one
+    (sends issued, loads, frees, a receive's cost when its data is there, Python between calls), every transfer
+    `link`. Waiting left unexplained by the plan's dependencies and the ranks' measured work shows as a gap."""
+    from dapple_ir.sim.simulator import simulate
+
+    module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
+    cluster = _measured_cluster([math.inf] * len(reports), link)
+    floors = []
+    for r in reports:
+        waits = sorted(sp["end_s"] - sp["start_s"] for sp in r["spans"] if sp["kind"] in WAITS)
+        floors.append(waits[len(waits) // 10] if waits else 0.0)
+    shares: list[list[float]] = []
+    for k in _steps(reports, warmup):
+        durations: dict[tuple[int, int], float] = {}
+        for rank, (r, floor) in enumerate(zip(reports, floors, strict=True)):
+            start, end = r["step_times"][str(k)]
+            clock, carry, last = start, 0.0, None
+            for sp in sorted(_step_spans(r, k), key=lambda sp: sp["start_s"]):
+                length = sp["end_s"] - sp["start_s"]
+                carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
+                clock = sp["end_s"]
+                if sp["kind"] in (*COMPUTE, "optimizer_step"):
+                    last = (rank, sp["index"])
+                    durations[last], carry = carry, 0.0
+            if last is not None:
+                durations[last] += carry + max(0.0, end - clock)
+        shares.append(list(simulate(module, cluster=cluster, durations=durations).bubble_fraction))
+    return [median([step[r] for step in shares]) for r in range(len(reports))]
+
+
 def _measured_cluster(mem_bandwidths: list[float], link: Link) -> ClusterSpec:
     """One device per node (a node per rank, so each rank has a device kind of its own), joined by `link`."""
     kinds = tuple(DeviceKind(f"rank{r}", math.inf, {"f32": math.inf}, bw) for r, bw in enumerate(mem_bandwidths))
@@ -561,20 +664,17 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
     bare = plan_without_early_posts(plan_dir) if ablate else None
-    ours: list[list[dict[str, Any]]] = []
-    theirs: list[list[dict[str, Any]]] = []
-    unposted: list[list[dict[str, Any]]] = []
-    for k in range(pairs):
-        if k > 0 and time.time() > deadline:
-            break  # the benchmark's time budget: fewer pairs, never none
-        # A B (C) A B (C): every side sees the same background load in each pair.
-        ours.append(launch("dapple", cfg, {"plan": str(plan_dir)}, work))
-        theirs.append(launch("torch", cfg, {"cuts": cuts}, work))
-        if bare is not None:
-            unposted.append(launch("dapple", replace(cfg, early_posts=False), {"plan": str(bare)}, work))
+    sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
+    if bare is not None:
+        sides["bare"] = {"plan": str(bare)}
+    # A B (C), then C B A, ...: every side of a pair sees the same background load; past the deadline the case
+    # runs fewer pairs, never none.
+    runs = launch_case(cfg, sides, pairs, deadline, work)
+    ours, theirs, unposted = runs["ours"], runs["torch"], runs.get("bare", [])
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
-    waiting, simulated, sim_step = idle_vs_bubble(plan_dir, ours, cfg.warmup)
+    waits = idle_vs_bubble(plan_dir, ours, cfg.warmup)
+    waiting, simulated, sim_step = waits.measured, waits.simulated, waits.iteration_s
     result = {
         "cuts": cuts,
         "ours_sps": cfg.global_batch / median(ours_s),
@@ -583,6 +683,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "pairs": len(ours),
         "waiting": waiting,
         "simulated": simulated,
+        "replayed": waits.replayed,
         "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
         "torch_held": [max(run[r]["peak_bytes"] for run in theirs) for r in range(cfg.procs)],
@@ -598,29 +699,41 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
             "bare_sps": cfg.global_batch / median(bare_s),
             "gain": median([b / o for o, b in zip(ours_s, bare_s, strict=True)]),
             "waiting": waiting,
-            "bare_waiting": idle_vs_bubble(bare, unposted, cfg.warmup)[0],
+            "bare_waiting": idle_vs_bubble(bare, unposted, cfg.warmup).measured,
             "loss_equal": first_loss(ours[0]) == first_loss(unposted[0]),
         }
     return result
 
 
-def idle_vs_bubble(
-    plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
-) -> tuple[list[float], list[float], float]:
-    """Per rank, medians over the runs: the measured share of the step spent waiting for other ranks, and the
-    simulator's for the plan with each run's measured costs (`simulated_waiting`); and the simulated iteration."""
+@dataclass(frozen=True)
+class Waiting:
+    """Per rank, medians over the runs: the measured share of the step spent waiting for other ranks, the
+    simulator's for the plan with each run's median costs (`simulated_waiting`), and the simulator's replaying each
+    measured step (`replayed_waiting`); and the simulated iteration at median costs."""
+
+    measured: list[float]
+    simulated: list[float]
+    replayed: list[float]
+    iteration_s: float
+
+
+def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
-    measured, simulated, iterations = [], [], []
+    measured, simulated, replayed, iterations = [], [], [], []
     for reports in runs:
         costs = rank_costs(reports, warmup)
         measured.append(waiting_shares(reports, warmup, costs))
         link = fitted_link(message_seconds(module, reports, warmup))
         bubble, iteration = simulated_waiting(plan_dir, costs, link)
         simulated.append(bubble)
+        replayed.append(replayed_waiting(plan_dir, reports, warmup, link))
         iterations.append(iteration)
     ranks = range(len(runs[0]))
-    by_rank = [median([m[r] for m in measured]) for r in ranks]
-    return by_rank, [median([s[r] for s in simulated]) for r in ranks], median(iterations)
+
+    def by_rank(shares: list[list[float]]) -> list[float]:
+        return [median([m[r] for m in shares]) for r in ranks]
+
+    return Waiting(by_rank(measured), by_rank(simulated), by_rank(replayed), median(iterations))
 
 
 def _pct(values: list[float]) -> str:
@@ -641,17 +754,12 @@ def main(argv: list[str] | None = None) -> int:
         "--schedules", nargs="+", default=list(VIRTUAL), choices=list(VIRTUAL), help="schedules to compare (full run)"
     )
     parser.add_argument("--models", nargs="+", default=["bench", "gpt"], choices=["bench", "gpt"], help="(full run)")
-    parser.add_argument("--rank-worker", choices=["torch", "dapple"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_worker:
-        payload = json.loads(args.payload)
-        cfg = Config(**payload["cfg"])
-        if args.rank_worker == "torch":
-            torch_rank(cfg, payload["cuts"], Path(args.out))
-        else:
-            dapple_rank(cfg, Path(payload["plan"]), Path(args.out))
+        rank_pairs(json.loads(args.payload), Path(args.out))
         return 0
 
     started = time.time()
@@ -679,8 +787,9 @@ def main(argv: list[str] | None = None) -> int:
         + ("(CUDA, NCCL, one GPU per rank)" if args.device == "cuda" else "(CPU, gloo, 1 thread per rank)"),
         ["model", "procs", "schedule", "M", "ours samples/s", "torch samples/s", "speed-up (torch time / ours)",
          "ours waiting % per rank", "simulated waiting % per rank", "worst waiting gap (points)",
-         "simulated / measured step", "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank",
-         "torch RSS MiB per rank", "step-0 loss ours", "step-0 loss torch", "pairs"],
+         "simulated / measured step", "replayed waiting % per rank", "worst replay gap (points)",
+         "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank", "torch RSS MiB per rank",
+         "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
         "What early receive posts buy (ours with every change vs ours without early posts)",
@@ -698,12 +807,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] == 3)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 13)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 15)
                 continue
             gap = max(abs(i - b) for i, b in zip(r["waiting"], r["simulated"], strict=True))
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
-                _pct(r["waiting"]), _pct(r["simulated"]), 100 * gap, r["sim_over_measured"],
+                _pct(r["waiting"]), _pct(r["simulated"]), 100 * gap, r["sim_over_measured"], _pct(r["replayed"]),
+                100 * max(abs(i - b) for i, b in zip(r["waiting"], r["replayed"], strict=True)),
                 _mb(r["ours_held"]), _mb(r["torch_held"]), _mb(r["ours_rss"]), _mb(r["torch_rss"]),
                 r["ours_loss"], r["torch_loss"], r["pairs"],
             )  # fmt: skip
@@ -726,11 +836,17 @@ def main(argv: list[str] | None = None) -> int:
     table.notes += [
         "models: bench/bench_models.py: MLP width 512, 8 Linear layers (2.1M parameters), global batch 256; "
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
-        f"{pairs} A/B pair(s) per case, the first 2 steps (1 with --quick) dropped; medians.",
-        "stage split: the one our planner chose with --stages forced; torch's pipeline() splits at the same ops. "
-        "zb-h1 on the torch side: ScheduleInterleavedZeroBubble with one stage per rank; a stage output that "
-        "is a view (a Linear's output on a 3-D input) is copied there, since torch's zero-bubble backward "
-        "detaches outputs in place and fails on views.",
+        f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), the first 2 steps (1 with "
+        "--quick) dropped; medians. A case is one torchrun launch: its rank processes run ours, then torch's (then "
+        "ours without early posts), pair after pair, in the reverse order every other pair, each run with a "
+        "rendezvous of its own.",
+        "stage split: the one our planner chose with --stages forced (interleaved: V = 2 stages per rank, stage k "
+        "on rank k % ranks); torch's pipeline() splits at the same ops. Where our cut falls between plain ops, "
+        "which pipeline() cannot split, the plan is compiled again with its layers coarsened to the model's "
+        "top-level modules (the GPT's interleaved rows). zb-h1 on the torch side: ScheduleInterleavedZeroBubble "
+        "with one stage per rank; a stage output that is a view (a Linear's output on a 3-D input) is copied "
+        "there, since torch's zero-bubble backward detaches outputs in place and fails on views. interleaved on "
+        "the torch side: ScheduleInterleaved1F1B.",
         "waiting (both sides alike) = share of the step period a rank spends waiting for other ranks; everything "
         "else it does is busy: compute, the optimizer step and the host's own work (issuing sends, posting "
         "receives, loads, frees, the memory meter, Python between calls). Measured: period = median gap between "
@@ -746,7 +862,9 @@ def main(argv: list[str] | None = None) -> int:
         "ranks run at a time), so a compute span now and then takes several times its median and the peer "
         "waits; a simulator of median costs predicts the period of an undisturbed step, and waiting below it.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
-        "peak over the run; RSS = peak resident set of the rank process (includes the ~300 MiB of torch itself).",
+        "peak over the run; RSS = peak resident set of the rank process during that run (Linux's VmHWM, reset "
+        "before each run after the previous run's freed heap went back to the system; includes the ~300 MiB of "
+        "torch itself).",
         f"load average (1, 5, 15 min) at the end: {load}.",
     ]
     ablation.notes += [

@@ -193,3 +193,41 @@ def test_device_check_fails_fast_without_cuda() -> None:
     proc = subprocess.run(["bash", str(BENCH / "device_check.sh")], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr
+
+
+def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
+    """A timeline the simulator made, handed to the bench as if measured, replays to the waiting it has, and the
+    measured waiting read off it is the same: the replay adds or drops no time of its own."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
+    from tests.test_runtime import MLP, make_plan
+
+    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind="1f1b", microbatches=4)
+    module = rt.parse_module((plan / "plan.dapple").read_text())
+    modelled = {InstrKind.FORWARD: 0.1, InstrKind.BACKWARD: 0.2, InstrKind.OPTIMIZER_STEP: 0.05}
+    durations = {
+        (r, i): modelled[ins.kind]
+        for r, p in enumerate(module.programs)
+        for i, ins in enumerate(p.instrs)
+        if ins.kind in modelled
+    }
+    link = Link(math.inf, 0.0)
+    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
+    assert max(sim.bubble_fraction) > 0.1  # a pipeline with waiting to find
+    reports = []
+    for r, p in enumerate(module.programs):
+        spans, step_times = [], {}
+        for k in range(3):  # three steps of the simulated iteration, one after the other
+            t0 = k * sim.iteration_s
+            step_times[str(k)] = [t0, t0 + max(sim.ends[r])]
+            for i, ins in enumerate(p.instrs):
+                stage = ins.stage.name if ins.stage else None
+                start, end = t0 + sim.starts[r][i], t0 + sim.ends[r][i]
+                spans.append({"kind": ins.kind.value, "index": i, "stage": stage, "start_s": start, "end_s": end})
+        reports.append({"rank": r, "spans": spans, "step_times": step_times})
+    assert rt.replayed_waiting(plan, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    costs = rt.rank_costs(reports, 1)
+    assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)

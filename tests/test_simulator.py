@@ -413,3 +413,24 @@ def test_simulator_imports_neither_torch_nor_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_replayed_durations_replace_the_modelled_ones(kind: str) -> None:
+    """A measured step replayed: every compute twice its modelled time doubles the closed form; the first forward
+    X longer on the first rank (on the critical path of both schedules) adds X; the rest is the model's."""
+    stages, microbatches, f, b, x = 3, 4, 1.0, 2.0, 0.75
+    module = schedule_module(kind, stages, microbatches, fwd_s=f, bwd_s=b)
+    closed = (microbatches + stages - 1) * (f + b)
+    compute = {InstrKind.FORWARD: f, InstrKind.BACKWARD: b}
+    doubled = {
+        (r, i): 2 * compute[ins.kind]
+        for r, p in enumerate(module.programs)
+        for i, ins in enumerate(p.instrs)
+        if ins.kind in compute
+    }
+    assert simulate(module, durations=doubled).iteration_s == pytest.approx(2 * closed)
+    first = next(i for i, ins in enumerate(module.programs[0].instrs) if ins.kind is InstrKind.FORWARD)
+    assert simulate(module, durations={(0, first): f + x}).iteration_s == pytest.approx(closed + x)
+    with pytest.raises(DappleError, match="rank 0 has no instruction 999"):
+        simulate(module, durations={(0, 999): 1.0})

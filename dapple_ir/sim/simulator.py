@@ -56,7 +56,7 @@ queue operations and a rate update on the links of its path.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,12 +186,15 @@ def simulate(
     *,
     cluster: ClusterSpec | str | None = None,
     backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+    durations: Mapping[tuple[int, int], float] | None = None,
 ) -> SimulationResult:
     """Simulate one iteration of the plan's rank programs.
 
     `module_or_path`: a lowered module, an IR file, or a plan directory holding `plan.dapple`.
     `cluster`: a spec, a shorthand (`2x8xV100-16GB`) or TOML path; defaults to the module's
     `cluster` attribute, else ideal links (communication free).
+    `durations`: seconds by (rank, instruction index) that replace the modelled time of those forward,
+    backward and optimizer-step instructions: a measured step replayed on the plan's dependencies.
     """
     module = _load(module_or_path)
     if not module.programs:
@@ -202,7 +205,10 @@ def simulate(
     if not 0.0 <= backward_input_fraction <= 1.0:
         raise DappleError(f"backward_input_fraction must lie in [0, 1], got {backward_input_fraction}")
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
-    return _Simulator(module, spec, backward_input_fraction).run()
+    for (rank, index), seconds in (durations or {}).items():
+        if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
+            raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
+    return _Simulator(module, spec, backward_input_fraction, durations).run()
 
 
 # ------------------------------------------------------------------------------ loading, cluster
@@ -250,8 +256,15 @@ _RESUME, _FLOW_END = 0, 1
 
 
 class _Simulator:
-    def __init__(self, module: Module, cluster: ClusterSpec, backward_input_fraction: float) -> None:
+    def __init__(
+        self,
+        module: Module,
+        cluster: ClusterSpec,
+        backward_input_fraction: float,
+        replay: Mapping[tuple[int, int], float] | None = None,
+    ) -> None:
         self.module = module
+        self.replay = replay
         self.cluster = cluster
         self.devices = [_device_of(module, p, r) for r, p in enumerate(module.programs)]
         for r, d in enumerate(self.devices):
@@ -363,6 +376,7 @@ class _Simulator:
         for r in range(n):
             self.push(0.0, _RESUME, r)
         fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
+        replayed = self.replay
         sharing, owners = self.sharing, self.owners
         heappush, heappop = heapq.heappush, heapq.heappop
         # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
@@ -475,6 +489,8 @@ class _Simulator:
                     st[i] = en[i] = t
                     i += 1
                     continue
+                if replayed is not None:
+                    d = replayed.get((r, i), d)
                 st[i] = t
                 t += d
                 en[i] = t
