@@ -54,10 +54,31 @@ def rank_file(rank: int) -> str:
 _RANK_FILE = re.compile(r"rank_[0-9]+\.py")
 
 
+#: Where `dapple run` writes its ranks' reports by default: a folder inside the plan directory.
+RUN_DIR = "run"
+#: What the ranks of a run write there (`backends.torch.launch` clears them before the next run).
+RUN_FILES = (
+    "rank_*.json",
+    "rank_*_params.pt",
+    "error_rank_*.json",
+    "heartbeat_rank_*.json",
+    "*.tmp",
+    "torchrun.log",
+)
+
+
 def is_plan_file(name: str) -> bool:
     """Whether a file of that name is one dapple-ir writes into a plan directory."""
     known = {PLAN_JSON, PLAN_IR, REPORT, TIMELINE, TIMELINE_PICTURE, TIMELINE_MEASURED, TIMELINE_COMPARE}
     return name in known or _RANK_FILE.fullmatch(name) is not None
+
+
+def _is_ours(path: Path) -> bool:
+    """A plan file, or the run folder `dapple run` left there holding nothing but its ranks' reports (a new plan
+    replaces it with the rest: its reports belong to the old plan)."""
+    if path.name == RUN_DIR and path.is_dir() and not path.is_symlink():
+        return all(p.is_file() and any(p.match(pattern) for pattern in RUN_FILES) for p in path.iterdir())
+    return is_plan_file(path.name)
 
 
 def check_output(out: Path, *, force: bool = False) -> None:
@@ -72,7 +93,7 @@ def check_output(out: Path, *, force: bool = False) -> None:
         )
     if not out.is_dir() or force:
         return
-    foreign = sorted(p.name for p in out.iterdir() if not is_plan_file(p.name))
+    foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise DappleError(

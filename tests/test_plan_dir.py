@@ -258,3 +258,21 @@ def test_a_module_spec_is_hashed_and_found_again_in_a_fresh_process(
     (tmp_path / "digest_mod_model.py").write_text(MARKER_MODEL.format(marker="edited"))
     with pytest.raises(DappleError, match=r"digest_mod_model\.py, the model spec file of plan .* changed"):
         load_plan(tmp_path / "p")
+
+
+def test_a_plan_that_was_run_is_replaced_with_its_run_but_a_foreign_file_in_run_is_kept(tmp_path: Path) -> None:
+    # `make demo` compiles, runs and compiles again into the same directories: the reports `dapple run` wrote
+    # into plan/run are dapple-ir's and belong to the old plan; anything else there is the user's.
+    out = tmp_path / "plan"
+    mlp = str(Path(__file__).resolve().parents[1] / "examples" / "mlp.py") + ":factory"
+    compile_plan(mlp, cluster="2xcpu", global_batch=8, stages=2, out_dir=out)
+    run(out, steps=1, transport="threads", timeout=30)
+    assert (out / "run").is_dir()  # torchrun ranks write their reports there (the threads transport none)
+    (out / "run" / "torchrun.log").write_text("what a torchrun launch logs")
+    compile_plan(mlp, cluster="2xcpu", global_batch=8, stages=2, out_dir=out)
+    assert not (out / "run").exists()
+    run(out, steps=1, transport="threads", timeout=30)
+    (out / "run" / "my_notes.txt").write_text("keep me")
+    with pytest.raises(DappleError, match=r"holds files dapple-ir did not write \(run\)"):
+        compile_plan(mlp, cluster="2xcpu", global_batch=8, stages=2, out_dir=out)
+    assert (out / "run" / "my_notes.txt").read_text() == "keep me"

@@ -61,7 +61,7 @@ from dapple_ir.backends.torch.worker import (
     worker_flags,
 )
 from dapple_ir.errors import DappleError, RuntimeFailure
-from dapple_ir.plan_dir import Plan, load_plan
+from dapple_ir.plan_dir import RUN_DIR, RUN_FILES, Plan, load_plan
 from dapple_ir.sim.trace import MemorySample, Span, Timeline, write_trace
 
 
@@ -162,7 +162,7 @@ def run(
         raise DappleError(f"steps must be at least 1, not {steps}")
     plan = load_plan(plan_dir)
     opt, rate = resolve_optimizer(plan, optimizer, lr)
-    out = Path(run_dir) if run_dir is not None else plan.dir / "run"
+    out = Path(run_dir) if run_dir is not None else plan.dir / RUN_DIR
     _clean(out)
     options = RunOptions(
         steps=steps,
@@ -236,14 +236,7 @@ def _pick_device(device: str, transport: str, per_node: int) -> str:
 def _clean(run_dir: Path) -> None:
     """Remove an earlier run's reports (only the files ranks write), so none is mistaken for this run's."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in (
-        "rank_*.json",
-        "rank_*_params.pt",
-        "error_rank_*.json",
-        "heartbeat_rank_*.json",
-        "*.tmp",
-        "torchrun.log",
-    ):
+    for pattern in RUN_FILES:
         for stale in run_dir.glob(pattern):
             stale.unlink()
 
