@@ -861,6 +861,10 @@ def main(argv: list[str] | None = None) -> int:
         "variance: on 2 cores, the ranks and gloo's socket threads time-share (4 processes on 2 cores: half the "
         "ranks run at a time), so a compute span now and then takes several times its median and the peer "
         "waits; a simulator of median costs predicts the period of an undisturbed step, and waiting below it.",
+        "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
+        "backward and optimizer step its own measured span plus the rank's work since its previous one, every "
+        "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "
+        "ranks' measured work, stalls included; measured waiting beyond it is time no dependency explains.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
         "peak over the run; RSS = peak resident set of the rank process during that run (Linux's VmHWM, reset "
         "before each run after the previous run's freed heap went back to the system; includes the ~300 MiB of "
