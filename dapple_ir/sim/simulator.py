@@ -194,7 +194,8 @@ def simulate(
     `cluster`: a spec, a shorthand (`2x8xV100-16GB`) or TOML path; defaults to the module's
     `cluster` attribute, else ideal links (communication free).
     `durations`: seconds by (rank, instruction index) that replace the modelled time of those forward,
-    backward and optimizer-step instructions: a measured step replayed on the plan's dependencies.
+    backward (whole, input or weight) and optimizer-step instructions: a measured step replayed on the
+    plan's dependencies (`bench/runtime_vs_torch_pipelining.py`); other kinds keep their own timing.
     """
     module = _load(module_or_path)
     if not module.programs:
