@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         differ = "; ".join(
             f"{c}: {row[c + ' plan']}" for c, _ in WITHOUT if row.get(c + " plan") not in (None, row["plan"])
         )
-        gains.add(name, cluster, global_batch, *(_gain(row, c) if c in row else "-" for c, _ in WITHOUT), differ or "-")
+        gained = {c: _gain(row, c) for c, _ in WITHOUT if c in row}
+        gains.add(name, cluster, global_batch, *(gained.get(c, "-") for c, _ in WITHOUT), differ or "-")
         print(f"{name} on {cluster}: {row['seconds']:.0f} s", file=sys.stderr)
-        for column, _ in WITHOUT:
-            gain = _gain(row, column) if column in row else None
+        for column, gain in gained.items():
             where = f"{name} on {cluster}, global batch {global_batch}"
             if gain == "no fit" or (isinstance(gain, float) and gain > best.get(column, (1.0, ""))[0]):
                 best[column] = (float("inf") if gain == "no fit" else float(gain), where)

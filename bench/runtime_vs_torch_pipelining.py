@@ -517,8 +517,7 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
     what the call costs when its data is already there, the rank's 10th percentile of those spans."""
     costs = []
     for r in reports:
-        waits = sorted(sp["end_s"] - sp["start_s"] for sp in r["spans"] if sp["kind"] in WAITS)
-        floor = waits[len(waits) // 10] if waits else 0.0
+        floor = _receive_floor(r)
         busy, optimizer, spans = [], [], []
         for k in _steps(reports, warmup):
             start, end = r["step_times"][str(k)]
@@ -534,6 +533,12 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
         compute = {key: median(v) for key, v in durations.items()}
         costs.append(RankCosts(median(busy), median(optimizer), compute, counts))
     return costs
+
+
+def _receive_floor(report: dict[str, Any]) -> float:
+    """What a receive (or allreduce) costs the rank when its data is already there: its 10th-percentile span."""
+    waits = sorted(sp["end_s"] - sp["start_s"] for sp in report["spans"] if sp["kind"] in WAITS)
+    return waits[len(waits) // 10] if waits else 0.0
 
 
 def waiting_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankCosts]) -> list[float]:
@@ -621,19 +626,15 @@ def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tup
     return list(result.bubble_fraction), result.iteration_s
 
 
-def replayed_waiting(plan_dir: Path, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
+def replayed_waiting(module: Any, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
     """Per rank, the median over the measured steps of the simulator's waiting share when it replays that very step:
     each forward, backward and optimizer step takes its measured span plus the rank's own work since its last one
     (sends issued, loads, frees, a receive's cost when its data is there, Python between calls), every transfer
     `link`. Waiting left unexplained by the plan's dependencies and the ranks' measured work shows as a gap."""
     from dapple_ir.sim.simulator import simulate
 
-    module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     cluster = _measured_cluster([math.inf] * len(reports), link)
-    floors = []
-    for r in reports:
-        waits = sorted(sp["end_s"] - sp["start_s"] for sp in r["spans"] if sp["kind"] in WAITS)
-        floors.append(waits[len(waits) // 10] if waits else 0.0)
+    floors = [_receive_floor(r) for r in reports]
     shares: list[list[float]] = []
     for k in _steps(reports, warmup):
         durations: dict[tuple[int, int], float] = {}
@@ -699,7 +700,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
             "bare_sps": cfg.global_batch / median(bare_s),
             "gain": median([b / o for o, b in zip(ours_s, bare_s, strict=True)]),
             "waiting": waiting,
-            "bare_waiting": idle_vs_bubble(bare, unposted, cfg.warmup).measured,
+            "bare_waiting": measured_waiting(unposted, cfg.warmup),
             "loss_equal": first_loss(ours[0]) == first_loss(unposted[0]),
         }
     return result
@@ -726,14 +727,19 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         link = fitted_link(message_seconds(module, reports, warmup))
         bubble, iteration = simulated_waiting(plan_dir, costs, link)
         simulated.append(bubble)
-        replayed.append(replayed_waiting(plan_dir, reports, warmup, link))
+        replayed.append(replayed_waiting(module, reports, warmup, link))
         iterations.append(iteration)
-    ranks = range(len(runs[0]))
+    return Waiting(_by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations))
 
-    def by_rank(shares: list[list[float]]) -> list[float]:
-        return [median([m[r] for m in shares]) for r in ranks]
 
-    return Waiting(by_rank(measured), by_rank(simulated), by_rank(replayed), median(iterations))
+def measured_waiting(runs: list[list[dict[str, Any]]], warmup: int) -> list[float]:
+    """Per rank, the median over the runs of the measured share of the step spent waiting for other ranks."""
+    return _by_rank([waiting_shares(reports, warmup, rank_costs(reports, warmup)) for reports in runs])
+
+
+def _by_rank(shares: list[list[float]]) -> list[float]:
+    """Per rank, the median of its share over the runs."""
+    return [median([m[r] for m in shares]) for r in range(len(shares[0]))]
 
 
 def _pct(values: list[float]) -> str:

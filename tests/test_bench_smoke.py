@@ -228,6 +228,6 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
                 start, end = t0 + sim.starts[r][i], t0 + sim.ends[r][i]
                 spans.append({"kind": ins.kind.value, "index": i, "stage": stage, "start_s": start, "end_s": end})
         reports.append({"rank": r, "spans": spans, "step_times": step_times})
-    assert rt.replayed_waiting(plan, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    assert rt.replayed_waiting(module, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     costs = rt.rank_costs(reports, 1)
     assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)

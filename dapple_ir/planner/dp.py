@@ -201,9 +201,9 @@ def solve(
         each card), else over the one link the placement uses (`one_node`: intra-node); and how late the
         child's last round-robin replica starts (`stagger_s`)."""
         nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in split_counts
-        x = cut_bytes[j - 1] * cut_scale
         if vector or split_here or nxt_split:
             per_byte, lat = split_cut(start, r, child[_START], nxt)
+            x = cut_bytes[j - 1] * cut_scale
             c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
         else:
             c = c_intra_at[j - 1] if one_node else c_inter_at[j - 1]
