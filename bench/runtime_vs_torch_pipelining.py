@@ -73,8 +73,11 @@ SPEC = {
 MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT"}
 #: Each schedule compared, with its stages per rank.
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2}
-#: (size, processes, schedule) of the cases also run without early receive posts (the ablation table).
-ABLATED = {("bench", 2, "1f1b"), ("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
+#: (size, processes, schedule) of the cases also run without early receive posts and without reused receive
+#: buffers (the ablation table).
+ABLATED = {("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
+#: The ablation's sides: ours without early receive posts; ours receiving into a new buffer every time.
+ABLATIONS = ("bare", "fresh")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class Config:
     """Stages per rank (the interleaved schedule's V); stage k on rank k % procs on both sides."""
     early_posts: bool = True
     """False: the ablation's plan, whose rank files post no receive ahead of its `recv` (`no_early_posts`)."""
+    reuse_buffers: bool = True
+    """False: every receive into a new buffer (the worker's `--fresh-buffers`), for the ablation."""
 
 
 # ----------------------------------------------------------------------------- torch side (rank)
@@ -299,7 +304,8 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
             if side["name"] == "torch":
                 torch_rank(cfg, side["cuts"], out)
             else:
-                dapple_rank(replace(cfg, early_posts=side["name"] == "ours"), Path(side["plan"]), out)
+                ablated = replace(cfg, early_posts=side["name"] != "bare", reuse_buffers=side["name"] != "fresh")
+                dapple_rank(ablated, Path(side["plan"]), out)
 
 
 # ----------------------------------------------------------------------------- our side (rank)
@@ -314,7 +320,13 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     options = worker.RunOptions(
-        steps=cfg.steps, optimizer="sgd", lr=cfg.lr, timeout=cfg.timeout, run_dir=str(out_dir), device=cfg.device
+        steps=cfg.steps,
+        optimizer="sgd",
+        lr=cfg.lr,
+        timeout=cfg.timeout,
+        run_dir=str(out_dir),
+        device=cfg.device,
+        reuse_buffers=cfg.reuse_buffers,
     )
     # The very flags `dapple run` gives the worker it launches; the worker checks the rank files against codegen,
     # which must then also leave the posts out.
@@ -340,7 +352,8 @@ def launch_case(
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Run a case's pairs under one torchrun on 127.0.0.1, every side of a pair in the same rank processes (one
     start-up per case, not per run: it is 10-16 s of a 4-rank launch on 2 cores). `sides` by name: `ours`, `torch`,
-    `bare` (our plan without early receive posts). Per side, per pair run, the rank reports in rank order."""
+    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers). Per side, per
+    pair run, the rank reports in rank order."""
     out_dir = Path(tempfile.mkdtemp(prefix="case-", dir=work))
     payload = json.dumps(
         {
@@ -661,17 +674,18 @@ def _measured_cluster(mem_bandwidths: list[float], link: Link) -> ClusterSpec:
 
 
 def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False) -> dict[str, Any]:
-    """Pairs of runs, ours then torch's (then, with `ablate`, ours without early receive posts), and the figures."""
+    """Pairs of runs, ours then torch's (then, with `ablate`, ours without early receive posts and ours without
+    reused receive buffers), and the figures."""
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
-    bare = plan_without_early_posts(plan_dir) if ablate else None
     sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
-    if bare is not None:
-        sides["bare"] = {"plan": str(bare)}
-    # A B (C), then C B A, ...: every side of a pair sees the same background load; past the deadline the case
+    if ablate:
+        sides["bare"] = {"plan": str(plan_without_early_posts(plan_dir))}
+        sides["fresh"] = {"plan": str(plan_dir)}
+    # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the case
     # runs fewer pairs, never none.
     runs = launch_case(cfg, sides, pairs, deadline, work)
-    ours, theirs, unposted = runs["ours"], runs["torch"], runs.get("bare", [])
+    ours, theirs = runs["ours"], runs["torch"]
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
     waits = idle_vs_bubble(plan_dir, ours, cfg.warmup)
@@ -693,16 +707,16 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "ours_loss": first_loss(ours[0]),
         "torch_loss": first_loss(theirs[0]),
     }
-    if bare is not None:
-        bare_s = [step_seconds(r, cfg.warmup) for r in unposted]
-        result["ablation"] = {
-            "sps": cfg.global_batch / median(ours_s),
-            "bare_sps": cfg.global_batch / median(bare_s),
-            "gain": median([b / o for o, b in zip(ours_s, bare_s, strict=True)]),
-            "waiting": waiting,
-            "bare_waiting": measured_waiting(unposted, cfg.warmup),
-            "loss_equal": first_loss(ours[0]) == first_loss(unposted[0]),
-        }
+    if ablate:
+        result["ablation"] = {"sps": cfg.global_batch / median(ours_s), "waiting": waiting}
+        for side in ABLATIONS:
+            side_s = [step_seconds(r, cfg.warmup) for r in runs[side]]
+            result["ablation"][side] = {
+                "sps": cfg.global_batch / median(side_s),
+                "gain": median([b / o for o, b in zip(ours_s, side_s, strict=True)]),
+                "waiting": measured_waiting(runs[side], cfg.warmup),
+                "loss_equal": first_loss(ours[0]) == first_loss(runs[side][0]),
+            }
     return result
 
 
@@ -798,19 +812,22 @@ def main(argv: list[str] | None = None) -> int:
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
-        "What early receive posts buy (ours with every change vs ours without early posts)",
-        ["model", "procs", "schedule", "M", "samples/s with", "samples/s without", "speed-up (time without / with)",
-         "waiting % per rank with", "waiting % per rank without", "same step-0 loss", "pairs"],
+        "What early receive posts and reused receive buffers buy (ours with every change vs ours without one)",
+        ["model", "procs", "schedule", "M", "samples/s with all", "waiting % per rank with all",
+         "samples/s without early posts", "speed-up from early posts (time without / with)",
+         "waiting % per rank without early posts", "samples/s without reused buffers",
+         "speed-up from reused buffers (time without / with)", "waiting % per rank without reused buffers",
+         "same step-0 loss", "pairs"],
     )  # fmt: skip
     report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
-    # Each case's share of the budget is its share of the runs (an ablated case runs three sides per pair).
-    weights = [3 if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
+    # Each case's share of the budget is its share of the runs (an ablated case runs four sides per pair).
+    weights = [2 + len(ABLATIONS) if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-rt-") as tmp:
         for k, cfg in enumerate(cases):
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
-                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] == 3)
+                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
                 table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 15)
@@ -825,9 +842,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             if "ablation" in r:
                 a = r["ablation"]
+                each = [(a[side]["sps"], a[side]["gain"], _pct(a[side]["waiting"])) for side in ABLATIONS]
+                same = all(a[side]["loss_equal"] for side in ABLATIONS)
                 ablation.add(
-                    MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, a["sps"], a["bare_sps"], a["gain"],
-                    _pct(a["waiting"]), _pct(a["bare_waiting"]), "yes" if a["loss_equal"] else "NO", r["pairs"],
+                    MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, a["sps"], _pct(a["waiting"]),
+                    *[x for three in each for x in three], "yes" if same else "NO", r["pairs"],
                 )  # fmt: skip
             ratios.append(r["ratio"])
             report.headlines.append(
@@ -844,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
         f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), the first 2 steps (1 with "
         "--quick) dropped; medians. A case is one torchrun launch: its rank processes run ours, then torch's (then "
-        "ours without early posts), pair after pair, in the reverse order every other pair, each run with a "
+        "the ablation's: ours without early posts, ours without reused buffers), pair after pair, in the reverse "
+        "order every other pair, each run with a "
         "rendezvous of its own.",
         "stage split: the one our planner chose with --stages forced (interleaved: V = 2 stages per rank, stage k "
         "on rank k % ranks); torch's pipeline() splits at the same ops. Where our cut falls between plain ops, "
@@ -878,10 +898,11 @@ def main(argv: list[str] | None = None) -> int:
         f"load average (1, 5, 15 min) at the end: {load}.",
     ]
     ablation.notes += [
-        "with = the plan as compiled; without = the same plan.dapple with rank files generated as if "
-        "`peak_memory.recv_posts` marked nothing (no `rt.post_recv`: each receive goes out with the sends just "
-        "before it, at its `recv`); the two run back to back inside each A/B pair of the table above, with the "
-        "torch run between them; the speed-up is the median over pairs of (step time without / with).",
+        "with all = the plan as compiled, receive buffers reused; without early posts = the same plan.dapple with "
+        "rank files generated as if `peak_memory.recv_posts` marked nothing (no `rt.post_recv`: each receive goes "
+        "out with the sends just before it, at its `recv`); without reused buffers = the plan as compiled, every "
+        "receive into a new buffer (the worker's --fresh-buffers; `ReceiveBuffers`). All run inside each A/B pair "
+        "of the table above; a speed-up is the median over pairs of (step time without / with).",
         "the other changes cannot be told apart on CPU/gloo, so they are not measured here: sends issued together "
         "(`Transport.exchange`) are one `batch_isend_irecv` group only on NCCL, on gloo a plain loop of isends "
         "either way; the single host read of the losses per step and the stream waits instead of host waits "

@@ -95,3 +95,41 @@ def test_header_goes_once_per_tag_and_shapes_are_held(tmp_path: Path) -> None:
     refused = sender[0]
     assert refused.startswith("refused: rank 0 sends tag 0 to rank 1 as a torch.float32 tensor of shape [4, 4]")
     assert "earlier as torch.float32 of shape [4, 3]" in refused and "static shapes" in refused
+
+
+# ------------------------------------------------------------------------------ receive buffers reused
+
+
+def _reuse(rank: int, transport: DistTransport, lines: list[str]) -> None:
+    sent = [torch.full((3, 4), float(k)) for k in range(5)]
+    if rank == 0:
+        for tensor in sent:
+            transport.isend(tensor, 1, 5).wait(TIMEOUT)
+        return
+    held = transport.recv(0, 5, TIMEOUT)  # the first message (its header, then the body): the pool's first buffer
+    second = transport.recv(0, 5, TIMEOUT)
+    lines.append(f"held kept apart {held.data_ptr() != second.data_ptr()}")
+    # Autograd saves the received tensor (through a detached leaf): its buffer stays taken while the graph lives.
+    w = torch.ones(3, 4, requires_grad=True)
+    loss = (second.detach().requires_grad_(True) * w).sum()
+    ptr = second.data_ptr()
+    del second
+    third = transport.recv(0, 5, TIMEOUT)
+    lines.append(f"saved kept apart {third.data_ptr() != ptr}")
+    loss.backward()
+    del loss, third
+    fourth = transport.recv(0, 5, TIMEOUT)
+    pooled = {t.data_ptr() for t in transport.buffers.pool[(torch.float32, (3, 4))]}
+    lines.append(f"freed reused {fourth.data_ptr() in pooled - {held.data_ptr()}}")
+    fifth = transport.recv(0, 5, TIMEOUT)
+    lines.append(f"values {[float(t[0, 0]) for t in (held, fourth, fifth)]} {w.grad.sum().item()}")
+    lines.append(f"counts {transport.buffers.counts()}")
+
+
+def test_receive_buffers_are_reused_only_once_nothing_holds_them(tmp_path: Path) -> None:
+    _, receiver = run_two_ranks(_reuse, tmp_path)
+    assert receiver[:3] == ["held kept apart True", "saved kept apart True", "freed reused True"], receiver
+    # Every payload landed whole in its buffer, reused or not; the graph's gradient read the second one's values.
+    assert receiver[3] == "values [0.0, 3.0, 4.0] 12.0", receiver
+    # Three buffers made (held, the graph's, the third); the fourth and fifth took freed ones.
+    assert receiver[4] == "counts {'allocated': 3, 'reused': 2}", receiver

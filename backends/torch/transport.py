@@ -300,6 +300,55 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _storage_refs(tensor: torch.Tensor) -> int | None:
+    """How many holders the tensor's memory has (tensors, views, autograd's saved copies), counting the tensor
+    and the storage object this call makes; None where this torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return int(count(tensor.untyped_storage()._cdata)) if count is not None else None
+
+
+@dataclass
+class ReceiveBuffers:
+    """Receive buffers allocated once per (dtype, shape) and handed to a later receive when nobody holds them.
+
+    A buffer is free when its memory has no holder but the pool: the runtime let go of the value (or gradient)
+    and autograd of every graph that saved it. That is read from the storage's reference count at each take,
+    so reuse never depends on a release point being right; a buffer still held is skipped and a new one made.
+    The pool grows to the most buffers of a shape alive at once, which the memory model already counts at the
+    peak. Exact: a receive overwrites the whole buffer. On CUDA a buffer is taken again only by a receive issued
+    after the host dropped it, so after the kernels that read it were queued on the current stream; the process
+    group orders its communication stream after the current stream at every issue.
+    """
+
+    device: torch.device
+    reuse: bool = True
+    pool: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = field(default_factory=dict)
+    allocated: int = 0
+    reused: int = 0
+
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer to receive into: an alias of a free pooled one (the alias is what holds it taken), else new."""
+        kept = self.pool.setdefault((dtype, shape), [])
+        if self.reuse:
+            for buffer in kept:
+                if _storage_refs(buffer) == _ONLY_THE_POOL:
+                    self.reused += 1
+                    return buffer.detach()
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.allocated += 1
+        if self.reuse and _storage_refs(buffer) == _ONLY_THE_POOL:
+            kept.append(buffer)
+            return buffer.detach()
+        return buffer
+
+    def counts(self) -> dict[str, int]:
+        return {"allocated": self.allocated, "reused": self.reused}
+
+
+#: `_storage_refs` of a tensor nothing else holds: the tensor and the storage object of the call.
+_ONLY_THE_POOL = 2
+
+
 class DistTransport:
     """torch.distributed P2P and collectives. Call after `init_process_group`, on every rank alike.
 
@@ -312,10 +361,12 @@ class DistTransport:
     all the wire carries. Non-tensor payloads always carry their header (their length varies).
     """
 
-    def __init__(self, groups: list[tuple[int, ...]], device: torch.device) -> None:
+    def __init__(self, groups: list[tuple[int, ...]], device: torch.device, *, reuse_buffers: bool = True) -> None:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = device
+        self.buffers = ReceiveBuffers(device, reuse_buffers)
+        """Where every tensor received lands: reused per shape once free (`ReceiveBuffers`), unless turned off."""
         self.on_stream = device.type == "cuda"
         """Waits order the current CUDA stream after the transfer instead of blocking the host (`_wait`)."""
         # new_group is collective: every rank creates every group, in the same (sorted) order.
@@ -381,8 +432,7 @@ class DistTransport:
             ops.append(dist.P2POp(dist.isend, body, peer, tag=tag))
             pending.append((body, f"on rank {self.rank} sending tag {tag} to rank {peer}"))
         for peer, tag in recvs:
-            dtype, shape = self.received[(peer, tag)]
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            buffer = self.buffers.take(*self.received[(peer, tag)])
             ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
             posted.append((peer, tag, buffer))
         # NCCL may answer a coalesced group with one work for all of it: every handle waits on them all
@@ -393,12 +443,8 @@ class DistTransport:
         return sent, received
 
     def irecv(self, peer: int, tag: int) -> PendingRecv:
-        """Post the receive now: its buffer when this (peer, tag) has been seen before, else its header.
-
-        A fresh `torch.empty` per receive, not a pool of our own: the runtime's stores and autograd's saved
-        tensors decide when a received tensor dies, and on CUDA the caching allocator hands the freed block
-        of the same size back to the next receive (NCCL records its stream on the buffer, so that is safe).
-        """
+        """Post the receive now: into a buffer of the known shape (`ReceiveBuffers`) when this (peer, tag) has
+        been seen before, else its header."""
         if self.on_stream:
             # NCCL runs a pair's sends and receives on one stream in issue order: a receive posted ahead of a
             # send the peer needs first would block that send. The host runs ahead of the GPU anyway (every
@@ -412,7 +458,7 @@ class DistTransport:
     def _post(self, peer: int, tag: int) -> PendingRecv:
         known = self.received.get((peer, tag))
         if known is not None:
-            body = torch.empty(known[1], dtype=known[0], device=self.device)
+            body = self.buffers.take(*known)
             return _PostedBody(self, peer, tag, body, dist.irecv(body, peer, tag=tag))
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
         return _PostedHeader(self, peer, tag, header, dist.irecv(header, peer, tag=tag))
@@ -429,10 +475,15 @@ class DistTransport:
                 "the two ranks' programs send and receive in different orders"
             )
         kind, dtype, ndim = head[1], _DTYPES[head[2]], head[3]
-        body = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=self.device)
+        shape = tuple(head[4 : 4 + ndim])
+        body = (
+            self.buffers.take(dtype, shape)
+            if kind == _KIND_TENSOR
+            else torch.empty(shape, dtype=dtype, device=self.device)
+        )
         _wait(dist.irecv(body, peer, tag=tag), timeout, self._what(peer, tag))
         if kind == _KIND_TENSOR:
-            self.received[(peer, tag)] = (dtype, tuple(head[4 : 4 + ndim]))
+            self.received[(peer, tag)] = (dtype, shape)
             return body
         return from_jsonable(json.loads(bytes(body.cpu().tolist()).decode()))
 

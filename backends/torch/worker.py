@@ -61,6 +61,8 @@ class RunOptions:
     save_every: int | None = None
     """With `save`: also save after every step whose number (counted from the first step ever, resumed
     steps included) is a multiple of this, so a fault loses at most that many steps."""
+    reuse_buffers: bool = True
+    """Receive into buffers kept per shape and reused once free (`ReceiveBuffers`); False: a new one per receive."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -503,6 +505,7 @@ def worker_flags(options: RunOptions) -> list[str]:
     flags += [f"--resume={options.resume}"] if options.resume else []
     flags += [f"--save-every={options.save_every}"] if options.save_every is not None else []
     flags += ["--check"] if options.check else []
+    flags += [] if options.reuse_buffers else ["--fresh-buffers"]
     return flags
 
 
@@ -524,6 +527,9 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume")
     parser.add_argument("--save-every", type=int, help="with --save: also save every N steps")
     parser.add_argument("--check", action="store_true", help="record the gradients of step 0 for dapple run --check")
+    parser.add_argument(
+        "--fresh-buffers", action="store_true", help="allocate every receive's buffer anew instead of reusing them"
+    )
     return parser
 
 
@@ -540,6 +546,7 @@ def options_from_args(args: argparse.Namespace, optimizer: str, lr: float, run_d
         device=args.device,
         check=args.check,
         save_every=args.save_every,
+        reuse_buffers=not args.fresh_buffers,
     )
 
 
@@ -586,7 +593,7 @@ def _run_torchrun_rank(
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=options.timeout))
     groups = [tuple(i.group) for p in plan.module.programs for i in p.instrs if i.group]
     groups.append(tuple(range(plan.ranks)))  # the barrier of a checkpoint save
-    transport = DistTransport(groups, device)
+    transport = DistTransport(groups, device, reuse_buffers=options.reuse_buffers)
     try:
         rt = build_runtime(plan, rank, prepared, transport, options, device)
         if heartbeat is not None:
@@ -595,6 +602,7 @@ def _run_torchrun_rank(
         if heartbeat is not None:
             heartbeat.set("finishing")
         transport.finish(options.timeout)
+        report["recv_buffers"] = transport.buffers.counts()
         return report, final_params(rt)
     except BaseException as exc:
         # Report now, while the peers still wait on this rank: closing the transport below makes their
