@@ -507,6 +507,9 @@ class RankCosts:
     """Median span of each (kind, stage) the rank computes."""
     counts: dict[tuple[str, str], int]
     """How many of each a step runs."""
+    queued_s: float = 0.0
+    """Of the time the rank waited, what it spent runnable but waiting for a CPU (`Span.queued_s`): cores shared
+    with other ranks, not the plan."""
 
     @property
     def work_factor(self) -> float:
@@ -531,12 +534,17 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
     costs = []
     for r in reports:
         floor = _receive_floor(r)
-        busy, optimizer, spans = [], [], []
+        busy, optimizer, spans, queued = [], [], [], []
         for k in _steps(reports, warmup):
             start, end = r["step_times"][str(k)]
             step = _step_spans(r, k)
-            waited = sum(max(0.0, sp["end_s"] - sp["start_s"] - floor) for sp in step if sp["kind"] in WAITS)
-            busy.append(end - start - waited)
+            waits = [
+                (max(0.0, sp["end_s"] - sp["start_s"] - floor), sp.get("queued_s") or 0.0)
+                for sp in step
+                if sp["kind"] in WAITS
+            ]
+            busy.append(end - start - sum(w for w, _ in waits))
+            queued.append(sum(min(w, q) for w, q in waits))
             optimizer.append(sum(sp["end_s"] - sp["start_s"] for sp in step if sp["kind"] == "optimizer_step"))
             spans.append([sp for sp in step if sp["kind"] in COMPUTE])
         durations: dict[tuple[str, str], list[float]] = {}
@@ -544,7 +552,7 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
             durations.setdefault((sp["kind"], sp["stage"]), []).append(sp["end_s"] - sp["start_s"])
         counts = {key: len(v) // len(spans) for key, v in durations.items()}
         compute = {key: median(v) for key, v in durations.items()}
-        costs.append(RankCosts(median(busy), median(optimizer), compute, counts))
+        costs.append(RankCosts(median(busy), median(optimizer), compute, counts, median(queued)))
     return costs
 
 
@@ -558,6 +566,12 @@ def waiting_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankC
     """Per rank: the share of the step period (`step_seconds`) it spent waiting for other ranks."""
     period = step_seconds(reports, warmup)
     return [max(0.0, 1.0 - c.busy_s / period) for c in costs]
+
+
+def cpu_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankCosts]) -> list[float]:
+    """Per rank: the share of the step period it waited for a CPU within its waits (part of `waiting_shares`)."""
+    period = step_seconds(reports, warmup)
+    return [c.queued_s / period for c in costs]
 
 
 def message_seconds(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[tuple[float, float]]:
@@ -699,6 +713,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "waiting": waiting,
         "simulated": simulated,
         "replayed": waits.replayed,
+        "cpu": waits.cpu,
         "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
         "torch_held": [max(run[r]["peak_bytes"] for run in theirs) for r in range(cfg.procs)],
@@ -730,20 +745,23 @@ class Waiting:
     simulated: list[float]
     replayed: list[float]
     iteration_s: float
+    cpu: list[float]
+    """Of `measured`, the share the rank waited for a CPU (`cpu_shares`): its data was there, a core was not."""
 
 
 def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
-    measured, simulated, replayed, iterations = [], [], [], []
+    measured, simulated, replayed, iterations, cpu = [], [], [], [], []
     for reports in runs:
         costs = rank_costs(reports, warmup)
         measured.append(waiting_shares(reports, warmup, costs))
+        cpu.append(cpu_shares(reports, warmup, costs))
         link = fitted_link(message_seconds(module, reports, warmup))
         bubble, iteration = simulated_waiting(plan_dir, costs, link)
         simulated.append(bubble)
         replayed.append(replayed_waiting(module, reports, warmup, link))
         iterations.append(iteration)
-    return Waiting(_by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations))
+    return Waiting(_by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations), _by_rank(cpu))
 
 
 def measured_waiting(runs: list[list[dict[str, Any]]], warmup: int) -> list[float]:
@@ -808,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
         ["model", "procs", "schedule", "M", "ours samples/s", "torch samples/s", "speed-up (torch time / ours)",
          "ours waiting % per rank", "simulated waiting % per rank", "worst waiting gap (points)",
          "simulated / measured step", "replayed waiting % per rank", "worst replay gap (points)",
+         "ours waiting for a CPU % per rank", "ours waiting for peers % per rank",
+         "worst peer-wait gap vs replay (points)", "worst peer-wait gap vs replay (% of replayed)",
          "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank", "torch RSS MiB per rank",
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
@@ -830,13 +850,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 15)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 18)
                 continue
             gap = max(abs(i - b) for i, b in zip(r["waiting"], r["simulated"], strict=True))
+            peers = [w - c for w, c in zip(r["waiting"], r["cpu"], strict=True)]
+            peer_gaps = [abs(w - b) for w, b in zip(peers, r["replayed"], strict=True)]
+            relative = [g / b if b > 0 else math.inf for g, b in zip(peer_gaps, r["replayed"], strict=True)]
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
                 _pct(r["waiting"]), _pct(r["simulated"]), 100 * gap, r["sim_over_measured"], _pct(r["replayed"]),
                 100 * max(abs(i - b) for i, b in zip(r["waiting"], r["replayed"], strict=True)),
+                _pct(r["cpu"]), _pct(peers), 100 * max(peer_gaps), 100 * max(relative),
                 _mb(r["ours_held"]), _mb(r["torch_held"]), _mb(r["ours_rss"]), _mb(r["torch_rss"]),
                 r["ours_loss"], r["torch_loss"], r["pairs"],
             )  # fmt: skip
@@ -891,6 +915,11 @@ def main(argv: list[str] | None = None) -> int:
         "backward and optimizer step its own measured span plus the rank's work since its previous one, every "
         "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "
         "ranks' measured work, stalls included; measured waiting beyond it is time no dependency explains.",
+        "waiting for a CPU: of the measured waiting, the time the rank's thread was runnable but not running (Linux's "
+        "run-queue delay, read around every instruction: `Span.queued_s`, backends/torch/run_queue.py): its data "
+        "had come, a core had not. With more ranks than cores (4 ranks and gloo's threads on 2 cores) a woken "
+        "rank waits for a core; on a machine with a core (or GPU) per rank this is near 0. Waiting for peers = "
+        "waiting less that: the part a plan's dependencies can explain, set against the replay.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
         "peak over the run; RSS = peak resident set of the rank process during that run (Linux's VmHWM, reset "
         "before each run after the previous run's freed heap went back to the system; includes the ~300 MiB of "

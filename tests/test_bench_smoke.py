@@ -156,22 +156,27 @@ def test_runtime_bench_fits_the_link_and_finds_the_waits() -> None:
     one_size = rt.fitted_link([(64.0, 3e-4), (64.0, 1e-4), (64.0, 2e-4)])
     assert (one_size.latency, one_size.bandwidth) == (pytest.approx(2e-4), math.inf)
 
-    def span(kind: str, start: float, end: float) -> dict[str, object]:
-        return {"kind": kind, "start_s": start, "end_s": end, "stage": "s0"}
+    def span(kind: str, start: float, end: float, queued: float | None = None) -> dict[str, object]:
+        return {"kind": kind, "start_s": start, "end_s": end, "stage": "s0", "queued_s": queued}
 
-    # Each 1 s step: 0.1 s forward, a receive that costs 0.01 s but waits 0.5 s, 0.2 s backward, 0.05 s optimizer.
+    # Each 1 s step: 0.1 s forward, a receive that costs 0.01 s but waits 0.5 s (0.2 s of it for a CPU, once its
+    # data was there), 0.2 s backward, 0.05 s optimizer. The first receive queued too, but did not wait: its
+    # queueing is part of what a receive costs, not of a wait.
     spans, step_times = [], {}
     for k in range(4):
         t = float(k)
         step_times[str(k)] = [t, t + 1.0]
-        spans += [span("recv", t, t + 0.01), span("forward", t + 0.01, t + 0.11)]
-        spans += [span("recv", t + 0.11, t + 0.62), span("backward", t + 0.62, t + 0.82)]
+        spans += [span("recv", t, t + 0.01, 0.005 * (k % 2)), span("forward", t + 0.01, t + 0.11, 0.03)]
+        spans += [span("recv", t + 0.11, t + 0.62, 0.2), span("backward", t + 0.62, t + 0.82)]
         spans += [span("optimizer_step", t + 0.82, t + 0.87)]
     (costs,) = rt.rank_costs([{"rank": 0, "spans": spans, "step_times": step_times}], warmup=1)
     assert costs.busy_s == pytest.approx(0.5)
     assert costs.optimizer_s == pytest.approx(0.05)
     # Busy time beyond compute and the optimizer (the host's own work) scales the compute up.
     assert costs.work_factor == pytest.approx(0.45 / 0.3)
+    # Of the 0.5 s waited per 1 s step, 0.2 s was a wait for a CPU.
+    assert costs.queued_s == pytest.approx(0.2)
+    assert rt.cpu_shares([{"rank": 0, "spans": spans, "step_times": step_times}], 1, [costs]) == pytest.approx([0.2])
 
 
 def test_run_all_renders_a_failed_benchmark_as_not_available(tmp_path: Path) -> None:

@@ -193,6 +193,9 @@ def test_timeline_and_memory_are_measured(tmp_path: Path) -> None:
     assert {s.kind for s in timeline.spans} >= {"forward", "backward", "send", "recv", "optimizer_step"}
     assert max(s.end_s for s in timeline.spans) <= timeline.iteration_s + 1e-6
     assert max(m.bytes for m in timeline.memory) <= max(result.peak_bytes)
+    # Linux says how long each span waited for a CPU: never negative, never more than the span lasted.
+    queued = [(s.queued_s, s.end_s - s.start_s) for s in timeline.spans]
+    assert all(q is not None and 0 <= q <= d + 1e-6 for q, d in queued), queued
     # gpipe keeps all 4 microbatches' activations: the peak exceeds parameters + grads + optimizer state.
     loaded = load_model_spec(MLP, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)

@@ -14,7 +14,7 @@ from dapple_ir.ir import COMPUTE_KINDS, InstrKind
 from dapple_ir.ir.printer import print_module
 from dapple_ir.sim.drawing import draw_timeline, figure_size
 from dapple_ir.sim.simulator import simulate
-from dapple_ir.sim.trace import Timeline, from_simulation, overlay, read_trace, write_trace
+from dapple_ir.sim.trace import Span, Timeline, from_simulation, overlay, read_trace, write_trace
 from tests.test_simulator import schedule_module, small_cluster
 
 COMPUTE = COMPUTE_KINDS
@@ -73,6 +73,14 @@ def test_read_trace_returns_what_was_written(tmp_path: Path) -> None:
         assert a.start_s == pytest.approx(b.start_s, abs=1e-9)
         assert a.end_s == pytest.approx(b.end_s, abs=1e-9)
     assert [(m.rank, m.bytes) for m in back.memory] == [(m.rank, m.bytes) for m in timeline.memory]
+    assert all(span.queued_s is None for span in back.spans)  # a simulation has no run queue
+
+
+def test_read_trace_keeps_the_measured_run_queue(tmp_path: Path) -> None:
+    spans = [Span(0, "compute", "forward", 0.0, 0.5, "s0", 0, queued_s=0.125), Span(0, "comm", "recv", 0.5, 0.75)]
+    write_trace(Timeline(1, spans, [], "measured", 0.75), tmp_path / "m.json")
+    back = {s.kind: s.queued_s for s in read_trace(tmp_path / "m.json").spans}
+    assert back == {"forward": 0.125, "recv": None}
 
 
 def _order(span: object) -> tuple:

@@ -38,6 +38,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from dapple_ir.backends.torch.data import microbatch
 from dapple_ir.backends.torch.random_draws import StageDraws
+from dapple_ir.backends.torch.run_queue import RunQueueClock
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.transport import Pending, PendingRecv, Transport, TransportError
 from dapple_ir.errors import DappleError
@@ -193,6 +194,8 @@ class Runtime:
         self._index = 0
         self._current: tuple[str, int] | None = None
         self._step_losses: list[tuple[str, int, torch.Tensor]] = []
+        self._run_queue = RunQueueClock()
+        """The thread's time waiting for a CPU, read around each instruction (`Span.queued_s`)."""
 
     # ------------------------------------------------------------------------------ the step loop
 
@@ -494,6 +497,7 @@ class Runtime:
         if kind not in ("send", "recv"):
             self._issue()  # a recv issues them itself, with its own receive
         start = time.time()
+        queued_at = self._run_queue.read()
         index = self._index
         self._index += 1
         try:
@@ -508,9 +512,11 @@ class Runtime:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         end = time.time()
+        queued_end = self._run_queue.read()
+        queued = queued_end - queued_at if queued_at is not None and queued_end is not None else None
         track = COMM_TRACK if kind in ("send", "recv", "allreduce") else COMPUTE_TRACK
         # Absolute wall-clock seconds; the launcher rebases them to the step's start.
-        self.spans.append(Span(self.rank, track, kind, start, end, stage, mb, peer, index))
+        self.spans.append(Span(self.rank, track, kind, start, end, stage, mb, peer, index, queued_s=queued))
         if self.device.type == "cuda":
             # The allocator's peak is read once per step (run_step); here only the curve for the timeline.
             self.memory.append((end, torch.cuda.memory_allocated(self.device)))

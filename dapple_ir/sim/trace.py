@@ -9,8 +9,9 @@ plan can be compared or overlaid. The trace layout:
 - thread (`tid`) 0 is the compute track; transfers and allreduces go on comm threads 1, 2, ...
   (overlapping transfers are packed into as many comm threads as they need);
 - every span is a complete event (`ph: "X"`, `ts`/`dur` in microseconds) whose `args` carry the
-  instruction: `kind`, `stage`, `mb`, `peer`, `index` (position in the rank program) and, on the
-  simulated critical path, `critical: true`; instructions that take no time are left out;
+  instruction: `kind`, `stage`, `mb`, `peer`, `index` (position in the rank program), on the
+  simulated critical path `critical: true`, and in a measured run on Linux `queued_s` (seconds the
+  rank waited for a CPU within the span); instructions that take no time are left out;
 - memory is a counter event (`ph: "C"`, name `memory`, `args: {"bytes": ...}`) per change;
 - `otherData` holds `dapple_trace` (the schema version), `source` (`simulated` or `measured`),
   `iteration_s` and free-form metadata.
@@ -63,6 +64,9 @@ class Span:
     """Position of the instruction in the rank's program."""
     critical: bool = False
     """On the simulated critical path (the chain of work and waits that sets the iteration time)."""
+    queued_s: float | None = None
+    """Measured runs on Linux: seconds of the span the rank's thread spent runnable but waiting for a CPU (the run
+    queue, `backends/torch/run_queue.py`): time lost to cores shared with other work, not to the plan."""
 
     @property
     def computes(self) -> bool:
@@ -204,6 +208,8 @@ def write_trace(timeline: Timeline, path: str | Path) -> None:
                 args[key] = value
         if span.critical:
             args["critical"] = True
+        if span.queued_s is not None:
+            args["queued_s"] = span.queued_s
         events.append(
             {
                 "name": span.name,
@@ -287,6 +293,7 @@ def read_trace(path: str | Path) -> Timeline:
                     args.get("peer"),
                     args.get("index"),
                     bool(args.get("critical", False)),
+                    args.get("queued_s"),
                 )
             )
         elif phase == "C" and event.get("name") == "memory":
