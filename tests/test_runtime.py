@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dapple_ir.backends.torch.codegen import emit_rank_programs
-from dapple_ir.backends.torch.launch import ATOL, RTOL, run
+from dapple_ir.backends.torch.launch import ATOL, RTOL, _cpu_wait, run
 from dapple_ir.backends.torch.reference import train_reference
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import Stage, StageAttrs
@@ -196,12 +196,25 @@ def test_timeline_and_memory_are_measured(tmp_path: Path) -> None:
     # Linux says how long each span waited for a CPU: never negative, never more than the span lasted.
     queued = [(s.queued_s, s.end_s - s.start_s) for s in timeline.spans]
     assert all(q is not None and 0 <= q <= d + 1e-6 for q, d in queued), queued
+    assert len(result.cpu_waits) == 2
+    assert all(w is not None and 0 <= w <= 1 for w in result.cpu_waits), result.cpu_waits
     # gpipe keeps all 4 microbatches' activations: the peak exceeds parameters + grads + optimizer state.
     loaded = load_model_spec(MLP, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)
     param_bytes = sum(p.numel() * 4 for p in loaded.model.parameters())
     assert sum(result.peak_bytes) > 2 * param_bytes
     assert result.samples_per_s > 0
+
+
+def test_cpu_wait_is_the_queued_share_of_the_timed_steps() -> None:
+    def span(start: float, end: float, queued: float | None) -> dict[str, object]:
+        return {"kind": "forward", "start_s": start, "end_s": end, "queued_s": queued}
+
+    # Two timed 2 s steps; 0.3 s + 0.1 s queued inside them; a span outside them does not count.
+    report = {"spans": [span(0.0, 1.0, 0.3), span(2.0, 3.0, 0.1), span(5.0, 6.0, 0.9)]}
+    assert _cpu_wait(report, [(0.0, 2.0), (2.0, 4.0)]) == pytest.approx(0.1)
+    # A span the system gave no figure for: the share is unknown, not 0.
+    assert _cpu_wait({"spans": [span(0.0, 1.0, None)]}, [(0.0, 2.0)]) is None
 
 
 @pytest.mark.slow
@@ -213,3 +226,19 @@ def test_a_compiled_plan_runs_and_matches(tmp_path: Path) -> None:
     assert (out / "rank_0.py").is_file()  # compile emitted the rank files
     result = run(out, steps=2, check=True, transport="threads", timeout=30)  # the plan's optimizer (adam)
     assert result.check is not None and result.check.ok, result.check
+
+
+def test_dapple_run_says_when_ranks_waited_for_a_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple_ir.backends.torch import launch
+    from dapple_ir.cli import main
+
+    def measured(waits: list[float | None]) -> launch.RunResult:
+        return launch.RunResult([1.0], 0, 10.0, [1, 1], ["cpu", "cpu"], None, cpu_waits=waits)
+
+    for waits, said in (([0.01, 0.2], True), ([0.01, 0.02], False), ([None, None], False)):
+        monkeypatch.setattr(launch, "run", lambda *a, w=waits, **k: measured(w))
+        assert main(["run", str(tmp_path), "--steps", "1"]) == 0
+        out = capsys.readouterr().out
+        assert ("waited for a CPU (runnable, no core free): rank 0 1%, rank 1 20%" in out) is said, out

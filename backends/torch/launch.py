@@ -111,6 +111,9 @@ class RunResult:
     sites: list[Site] = field(default_factory=list, repr=False)
     """The random draws of one microbatch's forward, every stage's, in graph order."""
     check: CheckResult | None = None
+    cpu_waits: list[float | None] = field(default_factory=list)
+    """Per rank, the share of the timed steps it spent runnable but waiting for a CPU (`Span.queued_s`); None
+    where the system does not say. Large where ranks outnumber the cores they share."""
 
 
 _P = ParamSpec("_P")
@@ -886,7 +889,17 @@ def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int,
         buffers={r: state["buffers"] for r, state in states.items()},
         grads={r: state["grads"] for r, state in states.items()},
         sites=_sites_in_graph_order(plan, states),
+        cpu_waits=[_cpu_wait(reports[r], [windows[k] for k in timed]) for r in sorted(reports)],
     )
+
+
+def _cpu_wait(report: dict[str, Any], windows: list[tuple[float, float]]) -> float | None:
+    """The share of `windows` (the timed steps) the rank spent waiting for a CPU within its instructions."""
+    inside = [s for s in report["spans"] if any(a <= s["start_s"] and s["end_s"] <= b for a, b in windows)]
+    seconds = sum(b - a for a, b in windows)
+    if not inside or seconds <= 0 or any(s.get("queued_s") is None for s in inside):
+        return None
+    return sum(s["queued_s"] for s in inside) / seconds
 
 
 def _sites_in_graph_order(plan: Plan, states: dict[int, dict[str, Any]]) -> list[Site]:

@@ -85,6 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+#: The share of the step time a rank waited for a CPU above which `dapple run` says so.
+CPU_WAIT_NOTE = 0.05
+
+
 def run(args: argparse.Namespace) -> int:
     from dapple_ir.backends.torch.launch import Interrupted
     from dapple_ir.backends.torch.launch import run as run_plan
@@ -118,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
     for rank, (peak, device) in enumerate(zip(result.peak_bytes, result.devices, strict=True)):
         how = "CUDA allocator peak" if device.startswith("cuda") else "bytes the runtime holds"
         print(f"  rank {rank}: {format_bytes(peak, 1)} ({device}, {how})")
+    waits = [w for w in result.cpu_waits if w is not None]
+    if waits and max(waits) >= CPU_WAIT_NOTE:
+        shares = ", ".join(f"rank {r} {100 * w:.0f}%" for r, w in enumerate(result.cpu_waits) if w is not None)
+        print(
+            f"waited for a CPU (runnable, no core free): {shares} of the step time. More busy threads than "
+            "cores stretch the measured steps and timeline; the simulator gives each rank a device of its own"
+        )
     if result.timeline is not None:
         print(f"measured timeline: {result.timeline}")
     if args.save:
