@@ -335,7 +335,8 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
     if code != 0:
         raise SystemExit(code)
     report = json.loads((out_dir / f"rank_{rank}.json").read_text())
-    _write_rank(out_dir, rank, {k: report[k] for k in ("rank", "step_times", "peak_bytes", "losses", "spans")})
+    kept = ("rank", "step_times", "peak_bytes", "losses", "spans", "recv_buffers")
+    _write_rank(out_dir, rank, {k: report[k] for k in kept})
 
 
 # ----------------------------------------------------------------------------- driver
@@ -388,6 +389,12 @@ def launch_case(
                     [json.loads((run_dir / f"bench_rank_{r}.json").read_text()) for r in range(cfg.procs)]
                 )
     return runs
+
+
+def reused_share(counts: dict[str, int]) -> float:
+    """The share of a rank's receives that landed in a buffer it had already (`ReceiveBuffers`)."""
+    total = counts["allocated"] + counts["reused"]
+    return counts["reused"] / total if total else 0.0
 
 
 def step_seconds(reports: list[dict[str, Any]], warmup: int) -> float:
@@ -718,6 +725,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
         "torch_held": [max(run[r]["peak_bytes"] for run in theirs) for r in range(cfg.procs)],
         "ours_rss": [median([run[r]["maxrss_bytes"] for run in ours]) for r in range(cfg.procs)],
+        "buffers_reused": [reused_share(rank["recv_buffers"]) for rank in ours[0]],
         "torch_rss": [median([run[r]["maxrss_bytes"] for run in theirs]) for r in range(cfg.procs)],
         "ours_loss": first_loss(ours[0]),
         "torch_loss": first_loss(theirs[0]),
@@ -829,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
          "ours waiting for a CPU % per rank", "ours waiting for peers % per rank",
          "worst peer-wait gap vs replay (points)", "worst peer-wait gap vs replay (% of replayed)",
          "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank", "torch RSS MiB per rank",
+         "ours receives into a reused buffer % per rank",
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
@@ -850,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 18)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 19)
                 continue
             gap = max(abs(i - b) for i, b in zip(r["waiting"], r["simulated"], strict=True))
             peers = [w - c for w, c in zip(r["waiting"], r["cpu"], strict=True)]
@@ -862,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
                 100 * max(abs(i - b) for i, b in zip(r["waiting"], r["replayed"], strict=True)),
                 _pct(r["cpu"]), _pct(peers), 100 * max(peer_gaps), 100 * max(relative),
                 _mb(r["ours_held"]), _mb(r["torch_held"]), _mb(r["ours_rss"]), _mb(r["torch_rss"]),
+                _pct(r["buffers_reused"]),
                 r["ours_loss"], r["torch_loss"], r["pairs"],
             )  # fmt: skip
             if "ablation" in r:
