@@ -23,7 +23,8 @@ from dapple_ir.planner.cost_model import Candidate, StageChoice, problem_from_mo
 from dapple_ir.planner.search import Request, search
 from dapple_ir.registry import PassContext
 from dapple_ir.sim.simulator import simulate
-from tests.paths import PROFILE_FILES, PROFILES
+from tests.paths import PROFILE_FILES
+from tests.planner_cases import captured, vgg19_search
 from tests.test_network import card_bytes, lowered
 
 CLUSTERS = ["2x8xV100-16GB", "16x1xV100-16GB"]
@@ -69,7 +70,7 @@ def test_profile_plan_is_no_worse_than_any_baseline_nor_its_card_floor(path: Pat
 @pytest.mark.parametrize("cluster", CLUSTERS)
 @pytest.mark.parametrize("spec", EXAMPLES)
 def test_example_plan_is_no_worse_than_any_baseline(spec: str, cluster: str) -> None:
-    module = copy.deepcopy(_captured(spec))
+    module = copy.deepcopy(captured(spec))
     PassManager(build_pipeline("annotate-cost")).run(module, PassContext(cluster=cluster))
     _check_beats_baselines(module, cluster, global_batch=64)
 
@@ -82,11 +83,7 @@ def test_vgg19_plan_is_no_slower_than_fifteen_plus_one(global_batch: int) -> Non
     gradients, one activation stream). The plan `dapple compile` searches for must simulate no slower
     than that plan at its best microbatch count and schedule (at 1024 the cost model alone ranked an
     11,4,1 plan first that simulates 5% slower; the simulator's local search finds better)."""
-    module = import_profile(str(PROFILES / "dapple-vgg-19-pbs-32.txt"))
-    module.attrs.optimizer = "adam"
-    PassManager(build_pipeline("coarsen")).run(module)
-    problem = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), global_batch)
-    outcome = search(problem, Request(), functools.partial(lower_and_simulate, module))
+    module, problem, outcome = vgg19_search(global_batch)  # the search test_split_planner checks too
     tail = next(k for k, layer in enumerate(module.layers) if any(op.target == "node23" for op in layer.ops))
     assert [op.target for layer in module.layers[tail:] for op in layer.ops] == ["node23", "node24", "node25", "node26"]
     stages = (StageChoice(0, tail, tuple(range(15))), StageChoice(tail, problem.layers, (15,)))
@@ -97,10 +94,3 @@ def test_vgg19_plan_is_no_slower_than_fifteen_plus_one(global_batch: int) -> Non
     )
     assert outcome.chosen.simulated_s is not None
     assert outcome.chosen.simulated_s <= fifteen_one * (1 + 1e-9), "\n".join(outcome.explain)
-
-
-@functools.cache
-def _captured(spec: str) -> Module:
-    from dapple_ir.frontend.spec_loader import capture_spec
-
-    return capture_spec(spec, device="meta")

@@ -114,7 +114,8 @@ def test_raising_rank_stops_every_rank_with_its_error(
 def test_silent_peer_makes_the_waiting_rank_time_out(
     tmp_path: Path, exploding: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plan = make_plan(tmp_path / "plan", exploding, stages=2, kind="gpipe")
+    # One microbatch: rank 1 stalls once (3 s), not once per microbatch, before it sees the failure and ends.
+    plan = make_plan(tmp_path / "plan", exploding, stages=2, kind="gpipe", microbatches=1)
     monkeypatch.setenv("DAPPLE_TEST_EXPLODE", "hang")  # rank 1 stalls 3 s in its first forward
     start = time.monotonic()
     with pytest.raises(RuntimeFailure, match=r"^rank 0: timed out after 1 s on rank 0 receiving .* from rank 1"):

@@ -16,8 +16,6 @@ import pytest
 from dapple_ir.cluster.spec import ClusterSpec, Link, parse_shorthand
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import PlanError
-from dapple_ir.frontend.profile_import import import_profile
-from dapple_ir.ir import Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.passes.plan import lower_and_simulate
 from dapple_ir.planner.cost_model import (
@@ -34,7 +32,7 @@ from dapple_ir.planner.dp import replica_choices, solve
 from dapple_ir.planner.search import Request, search
 from dapple_ir.planner.traffic import cut_crossings, cut_pieces, cut_s
 from dapple_ir.registry import PassContext
-from tests.paths import PROFILES
+from tests.planner_cases import captured, vgg19_search
 from tests.test_planner_exact import _problem
 
 GB = 1e9
@@ -212,7 +210,7 @@ def test_every_listed_gpt_candidate_is_estimated_within_15_percent_of_its_simula
     baseline) was simulated, and the cost model agrees with the simulator on each within 15%. The small
     GPT at 64 lists round-robin plans of eight replicas per server (their microbatches share one card
     and reach the replicas one forward apart) and tied embeddings summed over every device."""
-    module = copy.deepcopy(_captured(spec))
+    module = copy.deepcopy(captured(spec))
     module.attrs.optimizer = "adam"
     PassManager(build_pipeline("annotate-cost,coarsen")).run(module, PassContext(cluster="2x8xV100-16GB"))
     problem = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), global_batch)
@@ -235,10 +233,7 @@ def test_vgg19_fifteen_plus_one_split_runs_near_its_compute_floor(global_batch: 
     on the 16th. Its simulated time is within 15% of its compute floor (the busiest replica's M (F + B)
     at its rows, plus one microbatch through the other stage) plus the convolutions' allreduce, which
     nothing hides (about 45 ms over the 25 Gbit/s cards), and `auto` chooses no slower a plan."""
-    module = import_profile(str(PROFILES / "dapple-vgg-19-pbs-32.txt"))
-    module.attrs.optimizer = "adam"
-    PassManager(build_pipeline("coarsen")).run(module)
-    problem = problem_from_module(module, resolve_cluster("2x8xV100-16GB"), global_batch)
+    module, problem, outcome = vgg19_search(global_batch)  # the search test_planner_profiles checks too
     tail = next(k for k, layer in enumerate(module.layers) if any(op.target == "node23" for op in layer.ops))
     stages = (StageChoice(0, tail, tuple(range(15))), StageChoice(tail, problem.layers, (15,)))
     best = math.inf
@@ -255,12 +250,4 @@ def test_vgg19_fifteen_plus_one_split_runs_near_its_compute_floor(global_batch: 
         simulated, _peak = lower_and_simulate(module, problem, cand)
         assert compute <= simulated <= (compute + ring) * 1.15, (m, compute, ring, simulated)
         best = min(best, simulated)
-    outcome = search(problem, Request(), functools.partial(lower_and_simulate, module))
     assert outcome.chosen.simulated_s is not None and outcome.chosen.simulated_s <= best * (1 + 1e-9)
-
-
-@functools.cache
-def _captured(spec: str) -> Module:
-    from dapple_ir.frontend.spec_loader import capture_spec
-
-    return capture_spec(spec, device="meta")

@@ -513,7 +513,8 @@ class Runtime:
             ) from exc
         end = time.time()
         queued_end = self._run_queue.read()
-        queued = queued_end - queued_at if queued_at is not None and queued_end is not None else None
+        # Clamped to the span: the thread may be descheduled between a clock read and the counter's.
+        queued = min(end - start, queued_end - queued_at) if queued_at is not None and queued_end is not None else None
         track = COMM_TRACK if kind in ("send", "recv", "allreduce") else COMPUTE_TRACK
         # Absolute wall-clock seconds; the launcher rebases them to the step's start.
         self.spans.append(Span(self.rank, track, kind, start, end, stage, mb, peer, index, queued_s=queued))
