@@ -725,8 +725,8 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
         "torch_held": [max(run[r]["peak_bytes"] for run in theirs) for r in range(cfg.procs)],
         "ours_rss": [median([run[r]["maxrss_bytes"] for run in ours]) for r in range(cfg.procs)],
-        "buffers_reused": [reused_share(rank["recv_buffers"]) for rank in ours[0]],
         "torch_rss": [median([run[r]["maxrss_bytes"] for run in theirs]) for r in range(cfg.procs)],
+        "buffers_reused": [reused_share(rank["recv_buffers"]) for rank in ours[0]],
         "ours_loss": first_loss(ours[0]),
         "torch_loss": first_loss(theirs[0]),
     }
