@@ -295,8 +295,11 @@ def test_two_stages_two_microbatches_by_hand() -> None:
 
     b = 4 of batch 8: F = 2.0 * 4/8 = 1 s, B = 4.0 * 4/8 = 2 s; h0 moves 40e6 * 4/8 = 20e6 bytes in
     1 ms + 0.2 s = 0.201 s. Rank 0's step: sgd streams 3 * 4000 B of parameters at 12 kB/s = 1 s.
-      rank 0: F0 0-1 (h0 at 1.201), F1 1-2 (h0 at 2.201), B0 4.402-6.402, B1 7.402-9.402, step -10.402
-      rank 1: F0 1.201-2.201, B0 -4.201 (grad at 4.402), F1 -5.201, B1 -7.201 (grad at 7.402), step 0 s
+    Rendezvous: bytes move once the receive is posted, a latency after the post at the earliest. Neither
+    rank can post its second receive early (two 20e6 B buffers would pass its peak), so it posts at its recv.
+      rank 0: F0 0-1 (h0 at 1.201), F1 1-2 (h0 sent at 2, posted at 4.201, at 4.202 + 0.201 = 4.403),
+              B0 4.402-6.402, B1 7.604-9.604 (grad posted at 6.402, sent at 7.403), step -10.604
+      rank 1: F0 1.201-2.201, B0 -4.201 (grad at 4.402), F1 4.403-5.403, B1 -7.403 (grad at 7.604), step 0 s
     Memory: act 800 B at batch 8 -> 400 B per microbatch; received tensors 20e6 B; static 2 * 4000 B.
     """
     order = [one_f_one_b_order(s, 2, 2) for s in range(2)]
@@ -306,12 +309,15 @@ def test_two_stages_two_microbatches_by_hand() -> None:
     module.stages[1].ops[0].attrs.params = None  # only stage 0 holds a parameter
     module.params = module.params[:1]
     result = simulate(module, cluster=small_cluster())
-    assert result.iteration_s == pytest.approx(10.402)
+    assert result.iteration_s == pytest.approx(10.604)
     assert result.busy_s == pytest.approx([1 + 1 + 2 + 2 + 1, 1 + 2 + 1 + 2])
     computes = {(e.rank, e.instr.kind, e.instr.mb): (e.start_s, e.end_s) for e in result.events()}
     assert computes[(0, B, 0)] == pytest.approx((4.402, 6.402))
-    assert computes[(1, F, 1)] == pytest.approx((4.201, 5.201))
-    assert computes[(0, InstrKind.OPTIMIZER_STEP, None)] == pytest.approx((9.402, 10.402))
+    assert computes[(1, F, 1)] == pytest.approx((4.403, 5.403))
+    assert computes[(0, InstrKind.OPTIMIZER_STEP, None)] == pytest.approx((9.604, 10.604))
+    sends = {(e.rank, e.instr.mb): (e.start_s, e.end_s) for e in result.events() if e.instr.kind is InstrKind.SEND}
+    assert sends[(0, 1)] == pytest.approx((2.0, 4.403))  # issued at 2, held until rank 1 posts at 4.201
+    assert sends[(1, 0)] == pytest.approx((4.201, 4.402))  # posted before it was sent: the closed form
     assert result.peak_bytes == pytest.approx([8000 + 2 * 400 + 20e6, 20e6 + 400])
     path = [(r, module.programs[r].instrs[i]) for r, i in result.critical_path]
     chain = [(r, i.kind, i.mb) for r, i in path if i.kind in (F, B, InstrKind.OPTIMIZER_STEP)]
@@ -324,6 +330,24 @@ def test_two_stages_two_microbatches_by_hand() -> None:
         (0, B, 1),
         (0, InstrKind.OPTIMIZER_STEP, None),
     ]
+
+
+def test_a_receive_posted_within_a_latency_of_its_send_holds_the_bytes_until_its_notice_is_back() -> None:
+    """Rendezvous: the bytes leave at the later of the send and the post plus the latency (gloo's ready notice).
+
+    1 microbatch over 2 stages, F = 1 s, a 2 s link latency, 100 MB/s, 20e6 B: rank 1 posts h0 at 0, rank 0
+    sends it at 1; the notice is back at 2, so h0 arrives at 2 + 0.2 + 2 = 4.2 (eager: 1 + 2.2 = 3.2).
+    """
+    module = schedule_module("gpipe", 2, 1, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+    kind = DeviceKind("test", 1e12, {"f32": 1e12}, math.inf)
+    result = simulate(module, cluster=ClusterSpec((kind,), 2, Link(100e6, 2.0), Link(10e6, 1.0), name="slow"))
+    sends = {(e.rank, e.instr.grad): (e.start_s, e.end_s) for e in result.events() if e.instr.kind is InstrKind.SEND}
+    assert sends[(0, False)] == pytest.approx((1.0, 4.2))
+    # Rank 1: F 4.2-5.2, B -7.2; rank 0 posted the gradient at 1, so it leaves at 7.2 and lands at 9.4.
+    assert sends[(1, True)] == pytest.approx((7.2, 9.4))
+    assert result.iteration_s == pytest.approx(9.4 + 2.0)
+    kinds = [(r, module.programs[r].instrs[i].kind) for r, i in result.critical_path]
+    assert [k for k in kinds if k[1] in (F, B)] == [(0, F), (1, F), (1, B), (0, B)]
 
 
 def test_allreduce_waits_for_the_whole_group() -> None:

@@ -14,8 +14,14 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
   the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value.
 - `send` is an isend: its bytes start to flow over the path between the two devices
-  (`dapple_ir.cluster.topology`) when the instruction issues, and arrive the path's latency after
-  the last byte is through; the sender does not wait. Bytes are `value.out_bytes * b /
+  (`dapple_ir.cluster.topology`) once the send has issued and the receiver has posted the matching
+  receive, and arrive the path's latency after the last byte is through; the sender does not wait.
+  A receive is posted at its `recv`, or earlier where `peak_memory.recv_posts` moves it (the rank
+  file's `post_recv`). Both transports rendezvous: gloo holds a send until the receiver's ready
+  notice comes back, NCCL's send waits for the receiver's credit; so the bytes start at the later
+  of the send's issue and the post plus the path's latency (the notice on its way). A receive
+  posted a latency or more before its send costs nothing extra (the closed form below); one posted
+  after its send costs two latencies and the bytes from where the receiver posts it. Bytes are `value.out_bytes * b /
   module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a
   zero-byte send arrives when it issues (it still orders the two ranks). A recv waits for its own
   sender's data: the gradients of one value coming back from several consumer ranks are awaited
@@ -61,7 +67,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dapple_ir.analysis import memory
-from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, memory_changes, replica_rows, transfer_bytes
+from dapple_ir.analysis.peak_memory import (
+    Sizes,
+    hosted_stages,
+    memory_changes,
+    recv_posts,
+    replica_rows,
+    transfer_bytes,
+)
 from dapple_ir.analysis.stage_graph import tied_params
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
@@ -84,6 +97,19 @@ COMPUTE_STREAM_KINDS = COMPUTE_KINDS | {InstrKind.OPTIMIZER_STEP}
 COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE})
 
 _INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    """One send's bytes on their way: what `send` issued, waiting for its receive's post or for its links."""
+
+    key: tuple  # type: ignore[type-arg]
+    src: int
+    index: int
+    """The send's position in the sender's program."""
+    nbytes: float
+    path: tuple[int, ...]
+    latency: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +278,9 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
 # ------------------------------------------------------------------------------------ the engine
 
 
-#: What the engine's event queue holds: a rank to run on, or the first end in a bundle of flows.
-_RESUME, _FLOW_END = 0, 1
+#: What the engine's event queue holds: a rank to run on, the first end in a bundle of flows, or a transfer
+#: whose receive is posted and whose receiver's notice reaches the sender then.
+_RESUME, _FLOW_END, _FLOW_START = 0, 1, 2
 
 
 class _Simulator:
@@ -298,6 +325,17 @@ class _Simulator:
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
+        # Per rank, instruction index -> the receives (transfer keys) posted right before it: each recv at its own
+        # index, or earlier where `recv_posts` moves it.
+        self.post_at: list[dict[int, list[tuple]]] = []  # type: ignore[type-arg]
+        for rank, program in enumerate(module.programs):
+            early = recv_posts(module, program, self.sizes)
+            here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+            for index, instr in enumerate(program.instrs):
+                if instr.kind is InstrKind.RECV:
+                    recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
+                    here.setdefault(early.get(index, index), []).append(recv_key)
+            self.post_at.append(here)
 
     # ----------------------------------------------------------------------- instruction costs
 
@@ -360,9 +398,18 @@ class _Simulator:
         pc = [0] * n
         # (rank, index) -> (rank, index) whose completion the instruction waited for.
         waited_on: dict[tuple[int, int], tuple[int, int]] = {}
-        # (value, grad, mb, receiving rank) -> (arrival time, sending rank, send index)
+        # (rank, send index) -> (rank, index) the receiver ran before posting the receive that held the bytes back.
+        held_by: dict[tuple[int, int], tuple[int, int]] = {}
+        # (value, grad, mb, sending rank, receiving rank) -> (arrival time, sending rank, send index)
         arrivals: dict[tuple, tuple[float, int, int]] = {}  # type: ignore[type-arg]
         recv_waiters: dict[tuple, int] = {}  # type: ignore[type-arg]
+        self.arrivals, self.recv_waiters, self.ends = arrivals, recv_waiters, ends
+        # Transfer key -> (when its receive was posted, the instruction it was posted before); sends issued before
+        # their receive's post wait in `unposted`.
+        posted: dict[tuple, tuple[float, int]] = {}  # type: ignore[type-arg]
+        self.unposted: dict[tuple, _Transfer] = {}  # type: ignore[type-arg]
+        self.deferred: dict[int, _Transfer] = {}
+        post_at = self.post_at
         reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]  # type: ignore[type-arg]
         parked_key: list[tuple | None] = [None] * n  # type: ignore[type-arg]
         self.reduce_members: dict[tuple, list[tuple[float, int, int]]] = {}  # type: ignore[type-arg]
@@ -403,13 +450,28 @@ class _Simulator:
                     through, moved = sharing.finish(now, r)
                     self.reschedule(moved)
                     for flow in through:
-                        self.flow_ended(owners.pop(flow), now, arrivals, recv_waiters, ends, waited_on)
+                        self.flow_ended(owners.pop(flow), now)
+                continue
+            if event == _FLOW_START:
+                self.start_transfer(now, self.deferred.pop(r))
                 continue
             instrs, st, en = programs[r].instrs, starts[r], ends[r]
+            posts_of = post_at[r]
             i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
             while i < limit:
                 instr = instrs[i]
                 kind = instr.kind
+                # Receives posted before this instruction (once: a rank parked here comes back to it).
+                posts = posts_of.get(i)
+                if posts is not None:
+                    for post in posts:
+                        if post not in posted:
+                            posted[post] = (t, i)
+                            waiting = self.unposted.pop(post, None)
+                            if waiting is not None:
+                                self.defer(t + waiting.latency, waiting)
+                                if i > 0:  # the transfer waited for what this rank ran before posting
+                                    held_by[(waiting.src, waiting.index)] = (r, i - 1)
                 # Compute kinds fall through to the common tail; the others finish their own entry.
                 if kind is k_fwd:
                     d = fwd[r][instr.stage]  # type: ignore[index]
@@ -434,17 +496,17 @@ class _Simulator:
                     # Pieces of one value (split stages) reach one rank from several: the sender is in the key.
                     key: tuple = (value, instr.grad, instr.mb, r, peer)  # type: ignore[type-arg]
                     st[i] = t
-                    if nbytes > 0 and path:
-                        flow, moved = sharing.start(t, path, nbytes)
-                        owners[flow] = (key, r, i, latency)
-                        self.reschedule(moved)
+                    transfer = _Transfer(key, r, i, nbytes, path, latency)
+                    if nbytes <= 0:
+                        self.start_transfer(t, transfer)  # nothing moves, nothing to wait for
+                    elif key not in posted:
+                        self.unposted[key] = transfer
+                    elif posted[key][0] + latency > t:
+                        self.defer(posted[key][0] + latency, transfer)
+                        if posted[key][1] > 0:
+                            held_by[(r, i)] = (peer, posted[key][1] - 1)  # type: ignore[assignment]
                     else:
-                        arrival = t + latency if nbytes > 0 else t
-                        arrivals[key] = (arrival, r, i)
-                        en[i] = arrival
-                        waiter = recv_waiters.pop(key, None)
-                        if waiter is not None:
-                            heappush(heap, (arrival, self.next_ticket(), _RESUME, waiter, 0))
+                        self.start_transfer(t, transfer)
                     i += 1
                     continue
                 elif kind is k_recv:
@@ -500,7 +562,7 @@ class _Simulator:
             pc[r], clock[r] = i, t
             busy[r] += worked
         self.check_finished(pc)
-        return self.result(starts, ends, busy, waited_on)
+        return self.result(starts, ends, busy, waited_on, held_by)
 
     def next_ticket(self) -> int:
         """A tie-breaker for events at the same time: first pushed, first run."""
@@ -514,15 +576,30 @@ class _Simulator:
         for bundle, end, version in moved:
             self.push(end, _FLOW_END, bundle, version)
 
-    def flow_ended(
-        self,
-        owner: tuple,  # type: ignore[type-arg]
-        now: float,
-        arrivals: dict[tuple, tuple[float, int, int]],  # type: ignore[type-arg]
-        recv_waiters: dict[tuple, int],  # type: ignore[type-arg]
-        ends: list[list[float]],
-        waited_on: dict[tuple[int, int], tuple[int, int]],
-    ) -> None:
+    def defer(self, start: float, transfer: _Transfer) -> None:
+        """Start `transfer` at `start`, when the receiver's ready notice reaches its sender."""
+        ticket = self.next_ticket()
+        self.deferred[ticket] = transfer
+        heapq.heappush(self.heap, (start, ticket, _FLOW_START, ticket, 0))
+
+    def start_transfer(self, now: float, transfer: _Transfer) -> None:
+        """Its send has issued and its receive is posted: the bytes flow from `now` (nothing when there are none)."""
+        if transfer.nbytes > 0 and transfer.path:
+            flow, moved = self.sharing.start(now, transfer.path, transfer.nbytes)
+            self.owners[flow] = (transfer.key, transfer.src, transfer.index, transfer.latency)
+            self.reschedule(moved)
+        else:
+            arrival = now + transfer.latency if transfer.nbytes > 0 else now
+            self.arrive_at(arrival, transfer.key, transfer.src, transfer.index)
+
+    def arrive_at(self, arrival: float, key: tuple, src: int, index: int) -> None:  # type: ignore[type-arg]
+        self.arrivals[key] = (arrival, src, index)
+        self.ends[src][index] = arrival
+        waiter = self.recv_waiters.pop(key, None)
+        if waiter is not None:
+            self.push(arrival, _RESUME, waiter)
+
+    def flow_ended(self, owner: tuple, now: float) -> None:  # type: ignore[type-arg]
         """A send's bytes are through (its data arrives a latency later), or one step of a ring is."""
         if len(owner) == 1:
             key = owner[0]
@@ -532,12 +609,7 @@ class _Simulator:
                 self.finish_reduce(key, now + left[1])
             return
         key, src, index, latency = owner
-        arrival = now + latency
-        arrivals[key] = (arrival, src, index)
-        ends[src][index] = arrival
-        waiter = recv_waiters.pop(key, None)
-        if waiter is not None:
-            self.push(arrival, _RESUME, waiter)
+        self.arrive_at(now + latency, key, src, index)
 
     def arrive(self, rank: int, index: int, t: float, instr: Instr, seen: dict[tuple, int]) -> tuple:  # type: ignore[type-arg]
         """Register `rank` at an allreduce; the last member to arrive starts the ring."""
@@ -596,6 +668,7 @@ class _Simulator:
         ends: list[list[float]],
         busy: list[float],
         waited_on: dict[tuple[int, int], tuple[int, int]],
+        held_by: dict[tuple[int, int], tuple[int, int]],
     ) -> SimulationResult:
         curves = [self.memory_curve(r, starts[r]) for r in range(len(starts))]
         iteration = max((max(e, default=0.0) for e in ends), default=0.0)
@@ -612,7 +685,7 @@ class _Simulator:
             iteration_s=iteration,
             busy_s=busy,
             peak_bytes=[max(b for _, b in curve) for curve in curves],
-            critical_path=_critical_path(ends, waited_on),
+            critical_path=_critical_path(ends, waited_on, held_by),
             starts=starts,
             ends=ends,
             memory=curves,
@@ -651,8 +724,15 @@ def _durations(
     return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f)
 
 
-def _critical_path(ends: list[list[float]], waited_on: dict[tuple[int, int], tuple[int, int]]) -> list[tuple[int, int]]:
-    """Walk back from the instruction that ends last, following each binding wait to its cause."""
+def _critical_path(
+    ends: list[list[float]],
+    waited_on: dict[tuple[int, int], tuple[int, int]],
+    held_by: dict[tuple[int, int], tuple[int, int]],
+) -> list[tuple[int, int]]:
+    """Walk back from the instruction that ends last, following each binding wait to its cause.
+
+    A wait on a send whose bytes its receive held back (`held_by`) continues on the receiver, where it posted;
+    walking past a send in program order does not (the sender never waits for its own send)."""
     best: tuple[float, int, int] | None = None
     for r, e in enumerate(ends):
         for i in range(len(e) - 1, -1, -1):
@@ -661,13 +741,21 @@ def _critical_path(ends: list[list[float]], waited_on: dict[tuple[int, int], tup
     if best is None:
         return []
     path: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
     r, i = best[1], best[2]
-    while i >= 0:
+    # End times never rise along the walk; where they tie (free links, zero-time instructions) the walk could come
+    # back to an instruction, and stops there.
+    while i >= 0 and (r, i) not in seen:
+        seen.add((r, i))
         path.append((r, i))
         cause = waited_on.get((r, i))
-        if cause is not None:
-            r, i = cause
-        else:
+        if cause is None:
             i -= 1
+            continue
+        r, i = cause
+        held = held_by.get(cause)
+        if held is not None:
+            path.append(cause)
+            r, i = held
     path.reverse()
     return path
