@@ -193,13 +193,15 @@ def _memo(table: dict[Any, float], key: Any, compute: Callable[[], float]) -> fl
     return table[key]
 
 
-def memory_changes(module: Module, program: RankProgram, sizes: Sizes | None = None) -> Iterator[tuple[int, float]]:
+def memory_changes(
+    module: Module, program: RankProgram, sizes: Sizes | None = None, posts: dict[int, int] | None = None
+) -> Iterator[tuple[int, float]]:
     """(instruction index, bytes allocated or released: negative) for each instruction that changes the
     rank's live bytes, in program order. A free of something the rank never allocated (a value it sent,
-    say) releases nothing and is left out. A receive posted early (`recv_posts`) holds its buffer from the
-    instruction it is posted before, not from its `recv`."""
+    say) releases nothing and is left out. A receive posted early (`recv_posts`, or `posts` where the
+    caller already has them) holds its buffer from the instruction it is posted before, not from its `recv`."""
     sizes = sizes or Sizes(module)
-    return _changes(module, program, sizes, recv_posts(module, program, sizes))
+    return _changes(module, program, sizes, recv_posts(module, program, sizes) if posts is None else posts)
 
 
 def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int, int]) -> Iterator[tuple[int, float]]:

@@ -328,8 +328,10 @@ class _Simulator:
         # Per rank, instruction index -> the receives (transfer keys) posted right before it: each recv at its own
         # index, or earlier where `recv_posts` moves it.
         self.post_at: list[dict[int, list[tuple]]] = []  # type: ignore[type-arg]
+        self.early_posts: list[dict[int, int]] = []
         for rank, program in enumerate(module.programs):
             early = recv_posts(module, program, self.sizes)
+            self.early_posts.append(early)
             here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
             for index, instr in enumerate(program.instrs):
                 if instr.kind is InstrKind.RECV:
@@ -697,7 +699,7 @@ class _Simulator:
         module = self.module
         level = self.sizes.static_of(self.hosted[rank])
         curve = [(0.0, level)]
-        for i, change in memory_changes(module, module.programs[rank], self.sizes):
+        for i, change in memory_changes(module, module.programs[rank], self.sizes, self.early_posts[rank]):
             level += change
             curve.append((starts[i], level))
         return curve
