@@ -675,21 +675,48 @@ def replayed_waiting(module: Any, reports: list[dict[str, Any]], warmup: int, li
     floors = [_receive_floor(r) for r in reports]
     shares: list[list[float]] = []
     for k in _steps(reports, warmup):
-        durations: dict[tuple[int, int], float] = {}
-        for rank, (r, floor) in enumerate(zip(reports, floors, strict=True)):
-            start, end = r["step_times"][str(k)]
-            clock, carry, last = start, 0.0, None
-            for sp in sorted(_step_spans(r, k), key=lambda sp: sp["start_s"]):
-                length = sp["end_s"] - sp["start_s"]
-                carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
-                clock = sp["end_s"]
-                if sp["kind"] in (*COMPUTE, "optimizer_step"):
-                    last = (rank, sp["index"])
-                    durations[last], carry = carry, 0.0
-            if last is not None:
-                durations[last] += carry + max(0.0, end - clock)
+        durations = _step_durations(reports, k, floors)
         shares.append(list(simulate(module, cluster=cluster, durations=durations).bubble_fraction))
     return [median([step[r] for step in shares]) for r in range(len(reports))]
+
+
+def _step_durations(reports: list[dict[str, Any]], step: int, floors: list[float]) -> dict[tuple[int, int], float]:
+    """(rank, index) -> seconds of each forward, backward and optimizer step of one measured step: its span plus
+    the rank's own work since the previous one (sends handed over, loads, frees, a receive's cost when its data
+    is there: `floors`, Python between calls); the step's tail goes to its last."""
+    durations: dict[tuple[int, int], float] = {}
+    for rank, (r, floor) in enumerate(zip(reports, floors, strict=True)):
+        start, end = r["step_times"][str(step)]
+        clock, carry, last = start, 0.0, None
+        for sp in sorted(_step_spans(r, step), key=lambda sp: sp["start_s"]):
+            length = sp["end_s"] - sp["start_s"]
+            carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
+            clock = sp["end_s"]
+            if sp["kind"] in (*COMPUTE, "optimizer_step"):
+                last = (rank, sp["index"])
+                durations[last], carry = carry, 0.0
+        if last is not None:
+            durations[last] += carry + max(0.0, end - clock)
+    return durations
+
+
+#: Draws of `spread_waiting`'s simulation per run.
+SPREAD_DRAWS = 31
+
+
+def spread_waiting(module: Any, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
+    """Per rank, the simulator's waiting with each instruction's time drawn from that instruction's measured
+    times (`_step_durations` over the steps) independently (`dapple_ir.sim.spread`): a prediction from the
+    spread of the costs, where the replay keeps each step's own combination of them."""
+    from dapple_ir.sim.spread import simulate_spread
+
+    floors = [_receive_floor(r) for r in reports]
+    samples: dict[tuple[int, int], list[float]] = {}
+    for k in _steps(reports, warmup):
+        for key, seconds in _step_durations(reports, k, floors).items():
+            samples.setdefault(key, []).append(seconds)
+    cluster = _measured_cluster([math.inf] * len(reports), link)
+    return simulate_spread(module, samples=samples, cluster=cluster, draws=SPREAD_DRAWS).bubble_fraction
 
 
 def _measured_cluster(mem_bandwidths: list[float], link: Link) -> ClusterSpec:
@@ -724,6 +751,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "waiting": waiting,
         "simulated": simulated,
         "replayed": waits.replayed,
+        "spread": waits.spread,
         "cpu": waits.cpu,
         "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
@@ -759,11 +787,13 @@ class Waiting:
     iteration_s: float
     cpu: list[float]
     """Of `measured`, the share the rank waited for a CPU (`cpu_shares`): its data was there, a core was not."""
+    spread: list[float]
+    """The simulator's with each instruction's time drawn from its measured ones (`spread_waiting`)."""
 
 
 def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
-    measured, simulated, replayed, iterations, cpu = [], [], [], [], []
+    measured, simulated, replayed, spread, iterations, cpu = [], [], [], [], [], []
     for reports in runs:
         costs = rank_costs(reports, warmup)
         measured.append(waiting_shares(reports, warmup, costs))
@@ -772,8 +802,11 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         bubble, iteration = simulated_waiting(plan_dir, costs, link)
         simulated.append(bubble)
         replayed.append(replayed_waiting(module, reports, warmup, link))
+        spread.append(spread_waiting(module, reports, warmup, link))
         iterations.append(iteration)
-    return Waiting(_by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations), _by_rank(cpu))
+    return Waiting(
+        _by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations), _by_rank(cpu), _by_rank(spread)
+    )
 
 
 def measured_waiting(runs: list[list[dict[str, Any]]], warmup: int) -> list[float]:
@@ -845,7 +878,9 @@ def main(argv: list[str] | None = None) -> int:
         + ("(CUDA, NCCL, one GPU per rank)" if args.device == "cuda" else "(CPU, gloo, 1 thread per rank)"),
         ["model", "procs", "schedule", "M", "ours samples/s", "torch samples/s", "speed-up (torch time / ours)",
          "ours waiting % per rank", "simulated waiting % per rank", "worst gap vs simulated (points)",
-         "worst gap vs simulated (% of simulated)", "simulated / measured step", "replayed waiting % per rank",
+         "worst gap vs simulated (% of simulated)", "simulated / measured step",
+         "simulated with spread waiting % per rank", "worst gap vs spread (points)",
+         "worst gap vs spread (% of spread)", "replayed waiting % per rank",
          "worst gap vs replay (points)", "worst gap vs replay (% of replayed)", "ours waiting for a CPU % per rank",
          "ours held MiB per rank", "torch held MiB per rank", "ours RSS MiB per rank", "torch RSS MiB per rank",
          "ours receives into a reused buffer % per rank",
@@ -861,6 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
+    within: dict[str, list[bool]] = {}
     # Each case's share of the budget is its share of the runs (an ablated case runs four sides per pair).
     weights = [2 + len(ABLATIONS) if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-rt-") as tmp:
@@ -870,13 +906,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 19)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 22)
                 continue
             sim_gap, sim_rel = worst_gap(r["waiting"], r["simulated"])
             replay_gap, replay_rel = worst_gap(r["waiting"], r["replayed"])
+            spread_gap, spread_rel = worst_gap(r["waiting"], r["spread"])
+            for name, rel in (("median-cost", sim_rel), ("spread", spread_rel), ("replay", replay_rel)):
+                within.setdefault(name, []).append(rel <= 0.15)
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
                 _pct(r["waiting"]), _pct(r["simulated"]), 100 * sim_gap, 100 * sim_rel, r["sim_over_measured"],
+                _pct(r["spread"]), 100 * spread_gap, 100 * spread_rel,
                 _pct(r["replayed"]), 100 * replay_gap, 100 * replay_rel, _pct(r["cpu"]),
                 _mb(r["ours_held"]), _mb(r["torch_held"]), _mb(r["ours_rss"]), _mb(r["torch_rss"]),
                 _pct(r["buffers_reused"]),
@@ -899,6 +939,10 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(args.json)  # what is done so far survives a hard stop at run_all's limit
     if ratios:
         report.headlines.append(f"median speed-up {median(ratios):.2f}x, lowest {min(ratios):.2f}x")
+        report.headlines.append(
+            "every rank's waiting within 15 % of the prediction: "
+            + ", ".join(f"{name} simulation in {sum(ok)} of {len(ok)} rows" for name, ok in within.items())
+        )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     table.notes += [
         "models: bench/bench_models.py: MLP width 512, 8 Linear layers (2.1M parameters), global batch 256; "
@@ -931,6 +975,11 @@ def main(argv: list[str] | None = None) -> int:
         "variance: on 2 cores, the ranks and gloo's socket threads time-share (4 processes on 2 cores: half the "
         "ranks run at a time), so a compute span now and then takes several times its median and the peer "
         "waits; a simulator of median costs predicts the period of an undisturbed step, and waiting below it.",
+        "simulated with spread: the simulator with each forward, backward and optimizer step drawn, independently, "
+        f"from that instruction's measured times (as in the replay, below) over the run's steps, {SPREAD_DRAWS} "
+        "draws (dapple_ir.sim.spread); waiting = 1 - median busy / median iteration, as measured. A prediction from "
+        "the costs' spread: what a median-cost simulation misses on a noisy host, without the replay's knowledge of "
+        "which costs came together in one step.",
         "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
         "backward and optimizer step its own measured span plus the rank's work since its previous one, every "
         "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "

@@ -137,6 +137,12 @@ def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
     assert all(x > 0 for x in numbers(t, "ours samples/s"))
     assert all(x > 0 for x in numbers(t, "torch samples/s"))
     assert all(x > 0 for x in numbers(t, "simulated / measured step"))
+    spread = [
+        float(x)
+        for row in t.rows
+        for x in str(row[t.columns.index("simulated with spread waiting % per rank")]).split("/")
+    ]
+    assert spread and all(0 <= x <= 100 for x in spread), spread
     # Every rank's receives after the first steps land in buffers it already has.
     reused = [
         cell
@@ -248,5 +254,7 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
                 spans.append({"kind": ins.kind.value, "index": i, "stage": stage, "start_s": start, "end_s": end})
         reports.append({"rank": r, "spans": spans, "step_times": step_times})
     assert rt.replayed_waiting(module, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    # Every step alike: whatever the draws, each instruction takes its one measured time.
+    assert rt.spread_waiting(module, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     costs = rt.rank_costs(reports, 1)
     assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
