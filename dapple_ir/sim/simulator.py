@@ -21,8 +21,8 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   notice comes back, NCCL's send waits for the receiver's credit; so the bytes start at the later
   of the send's issue and the post plus the path's latency (the notice on its way). A receive
   posted a latency or more before its send costs nothing extra (the closed form below); one posted
-  after its send costs two latencies and the bytes from where the receiver posts it. Bytes are `value.out_bytes * b /
-  module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a
+  after its send costs two latencies and the bytes from where the receiver posts it. Bytes are
+  `value.out_bytes * b / module.attrs.batch` (b the send's rows where it moves a piece), the same for a gradient; a
   zero-byte send arrives when it issues (it still orders the two ranks). A recv waits for its own
   sender's data: the gradients of one value coming back from several consumer ranks are awaited
   each on its own.
