@@ -664,58 +664,56 @@ def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tup
     return list(result.bubble_fraction), result.iteration_s
 
 
-def replayed_waiting(module: Any, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
-    """Per rank, the median over the measured steps of the simulator's waiting share when it replays that very step:
-    each forward, backward and optimizer step takes its measured span plus the rank's own work since its last one
-    (sends issued, loads, frees, a receive's cost when its data is there, Python between calls), every transfer
-    `link`. Waiting left unexplained by the plan's dependencies and the ranks' measured work shows as a gap."""
-    from dapple_ir.sim.simulator import simulate
-
-    cluster = _measured_cluster([math.inf] * len(reports), link)
+def step_durations(reports: list[dict[str, Any]], warmup: int) -> list[dict[tuple[int, int], float]]:
+    """Per measured step after warm-up: (rank, index) -> seconds of each forward, backward and optimizer step, its
+    span plus the rank's own work since the previous one (sends handed over, loads, frees, a receive's cost when its
+    data is there, Python between calls); a step's tail goes to its last."""
     floors = [_receive_floor(r) for r in reports]
-    shares: list[list[float]] = []
+    steps = []
     for k in _steps(reports, warmup):
-        durations = _step_durations(reports, k, floors)
-        shares.append(list(simulate(module, cluster=cluster, durations=durations).bubble_fraction))
-    return [median([step[r] for step in shares]) for r in range(len(reports))]
+        durations: dict[tuple[int, int], float] = {}
+        for rank, (r, floor) in enumerate(zip(reports, floors, strict=True)):
+            start, end = r["step_times"][str(k)]
+            clock, carry, last = start, 0.0, None
+            for sp in sorted(_step_spans(r, k), key=lambda sp: sp["start_s"]):
+                length = sp["end_s"] - sp["start_s"]
+                carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
+                clock = sp["end_s"]
+                if sp["kind"] in (*COMPUTE, "optimizer_step"):
+                    last = (rank, sp["index"])
+                    durations[last], carry = carry, 0.0
+            if last is not None:
+                durations[last] += carry + max(0.0, end - clock)
+        steps.append(durations)
+    return steps
 
 
-def _step_durations(reports: list[dict[str, Any]], step: int, floors: list[float]) -> dict[tuple[int, int], float]:
-    """(rank, index) -> seconds of each forward, backward and optimizer step of one measured step: its span plus
-    the rank's own work since the previous one (sends handed over, loads, frees, a receive's cost when its data
-    is there: `floors`, Python between calls); the step's tail goes to its last."""
-    durations: dict[tuple[int, int], float] = {}
-    for rank, (r, floor) in enumerate(zip(reports, floors, strict=True)):
-        start, end = r["step_times"][str(step)]
-        clock, carry, last = start, 0.0, None
-        for sp in sorted(_step_spans(r, step), key=lambda sp: sp["start_s"]):
-            length = sp["end_s"] - sp["start_s"]
-            carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
-            clock = sp["end_s"]
-            if sp["kind"] in (*COMPUTE, "optimizer_step"):
-                last = (rank, sp["index"])
-                durations[last], carry = carry, 0.0
-        if last is not None:
-            durations[last] += carry + max(0.0, end - clock)
-    return durations
+def replayed_waiting(module: Any, steps: list[dict[tuple[int, int], float]], link: Link) -> list[float]:
+    """Per rank, the median over the measured `steps` (`step_durations`) of the simulator's waiting share when it
+    replays that very step, every transfer `link`. Waiting left unexplained by the plan's dependencies and the
+    ranks' measured work shows as a gap."""
+    from dapple_ir.sim.simulator import simulate_each
+
+    cluster = _measured_cluster([math.inf] * len(module.programs), link)
+    shares = [list(result.bubble_fraction) for result in simulate_each(module, steps, cluster=cluster)]
+    return [median([step[r] for step in shares]) for r in range(len(module.programs))]
 
 
 #: Draws of `spread_waiting`'s simulation per run.
 SPREAD_DRAWS = 31
 
 
-def spread_waiting(module: Any, reports: list[dict[str, Any]], warmup: int, link: Link) -> list[float]:
-    """Per rank, the simulator's waiting with each instruction's time drawn from that instruction's measured
-    times (`_step_durations` over the steps) independently (`dapple_ir.sim.spread`): a prediction from the
-    spread of the costs, where the replay keeps each step's own combination of them."""
+def spread_waiting(module: Any, steps: list[dict[tuple[int, int], float]], link: Link) -> list[float]:
+    """Per rank, the simulator's waiting with each instruction's time drawn independently from its times over the
+    measured `steps` (`dapple_ir.sim.spread`): a prediction from the spread of the costs, where the replay keeps
+    each step's own combination of them."""
     from dapple_ir.sim.spread import simulate_spread
 
-    floors = [_receive_floor(r) for r in reports]
     samples: dict[tuple[int, int], list[float]] = {}
-    for k in _steps(reports, warmup):
-        for key, seconds in _step_durations(reports, k, floors).items():
+    for durations in steps:
+        for key, seconds in durations.items():
             samples.setdefault(key, []).append(seconds)
-    cluster = _measured_cluster([math.inf] * len(reports), link)
+    cluster = _measured_cluster([math.inf] * len(module.programs), link)
     return simulate_spread(module, samples=samples, cluster=cluster, draws=SPREAD_DRAWS).bubble_fraction
 
 
@@ -801,8 +799,9 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         link = fitted_link(message_seconds(module, reports, warmup))
         bubble, iteration = simulated_waiting(plan_dir, costs, link)
         simulated.append(bubble)
-        replayed.append(replayed_waiting(module, reports, warmup, link))
-        spread.append(spread_waiting(module, reports, warmup, link))
+        steps = step_durations(reports, warmup)
+        replayed.append(replayed_waiting(module, steps, link))
+        spread.append(spread_waiting(module, steps, link))
         iterations.append(iteration)
     return Waiting(
         _by_rank(measured), _by_rank(simulated), _by_rank(replayed), median(iterations), _by_rank(cpu), _by_rank(spread)

@@ -253,8 +253,9 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
                     end = start  # the simulator's send ends when its data arrives; the runtime's when it is handed on
                 spans.append({"kind": ins.kind.value, "index": i, "stage": stage, "start_s": start, "end_s": end})
         reports.append({"rank": r, "spans": spans, "step_times": step_times})
-    assert rt.replayed_waiting(module, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    steps = rt.step_durations(reports, 1)
+    assert rt.replayed_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     # Every step alike: whatever the draws, each instruction takes its one measured time.
-    assert rt.spread_waiting(module, reports, 1, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    assert rt.spread_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     costs = rt.rank_costs(reports, 1)
     assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)

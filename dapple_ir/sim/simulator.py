@@ -62,7 +62,7 @@ queue operations and a rate update on the links of its path.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,6 +223,21 @@ def simulate(
     backward (whole, input or weight) and optimizer-step instructions: a measured step replayed on the
     plan's dependencies (`bench/runtime_vs_torch_pipelining.py`); other kinds keep their own timing.
     """
+    (result,) = simulate_each(
+        module_or_path, [durations or {}], cluster=cluster, backward_input_fraction=backward_input_fraction
+    )
+    return result
+
+
+def simulate_each(
+    module_or_path: Module | str | Path,
+    durations: Iterable[Mapping[tuple[int, int], float]],
+    *,
+    cluster: ClusterSpec | str | None = None,
+    backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+) -> Iterator[SimulationResult]:
+    """`simulate` once per mapping of `durations`, in order; what does not depend on them (the modelled costs,
+    the routes, where each receive is posted) is worked out once (`dapple_ir.sim.spread` runs many)."""
     module = _load(module_or_path)
     if not module.programs:
         raise DappleError(
@@ -232,10 +247,12 @@ def simulate(
     if not 0.0 <= backward_input_fraction <= 1.0:
         raise DappleError(f"backward_input_fraction must lie in [0, 1], got {backward_input_fraction}")
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
-    for (rank, index), seconds in (durations or {}).items():
-        if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
-            raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
-    return _Simulator(module, spec, backward_input_fraction, durations).run()
+    simulator = _Simulator(module, spec, backward_input_fraction)
+    for replay in durations:
+        for (rank, index), seconds in replay.items():
+            if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
+                raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
+        yield simulator.run(replay)
 
 
 # ------------------------------------------------------------------------------ loading, cluster
@@ -289,10 +306,8 @@ class _Simulator:
         module: Module,
         cluster: ClusterSpec,
         backward_input_fraction: float,
-        replay: Mapping[tuple[int, int], float] | None = None,
     ) -> None:
         self.module = module
-        self.replay = replay
         self.cluster = cluster
         self.devices = [_device_of(module, p, r) for r, p in enumerate(module.programs)]
         for r, d in enumerate(self.devices):
@@ -321,7 +336,6 @@ class _Simulator:
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         self.sizes = Sizes(module)
         self.network = Network(cluster)
-        self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
@@ -389,8 +403,10 @@ class _Simulator:
 
     # ---------------------------------------------------------------------------- the main loop
 
-    def run(self) -> SimulationResult:
+    def run(self, replay: Mapping[tuple[int, int], float]) -> SimulationResult:
+        """One iteration, the instructions in `replay` taking its seconds. Each run starts with idle links."""
         programs = self.module.programs
+        self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
         n = len(programs)
         starts = [[0.0] * len(p.instrs) for p in programs]
         ends = [[0.0] * len(p.instrs) for p in programs]
@@ -426,7 +442,7 @@ class _Simulator:
         for r in range(n):
             self.push(0.0, _RESUME, r)
         fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
-        replayed = self.replay
+        replayed = replay or None  # none: the hot loop skips the lookup
         sharing, owners = self.sharing, self.owners
         heappush, heappop = heapq.heappush, heapq.heappop
         # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.

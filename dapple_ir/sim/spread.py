@@ -4,7 +4,7 @@ On a shared host (rank processes time-sharing cores, a noisy neighbour) a comput
 step to the next, and a rank that depends on another waits for whichever of its producers ran slow. A
 simulation at median costs predicts the undisturbed step, and so less waiting than the ranks see.
 `simulate_spread` draws every sampled instruction's time independently from its own samples (a measured
-trace's spans: `bench/runtime_vs_torch_pipelining.py`), simulates each draw (`simulate(..., durations=)`),
+trace's spans: `bench/runtime_vs_torch_pipelining.py`), simulates each draw (`simulate_each`),
 and reports waiting the way a measurement does: per rank, one minus its median busy time over the median
 iteration.
 
@@ -23,7 +23,7 @@ from statistics import median
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
-from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, simulate
+from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, simulate_each
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,10 @@ def simulate_spread(
         raise DappleError(f"simulate_spread: rank {rank}, instruction {index} has no samples to draw from")
     rng = random.Random(seed)
     keys = sorted(samples)
+    drawn = ({key: rng.choice(samples[key]) for key in keys} for _ in range(draws))
     iterations: list[float] = []
     busy: list[list[float]] = []
-    for _ in range(draws):
-        durations = {key: rng.choice(samples[key]) for key in keys}
-        result = simulate(module, cluster=cluster, durations=durations, backward_input_fraction=backward_input_fraction)
+    for result in simulate_each(module, drawn, cluster=cluster, backward_input_fraction=backward_input_fraction):
         iterations.append(result.iteration_s)
         busy.append(list(result.busy_s))
     return SpreadResult(iterations, busy)
