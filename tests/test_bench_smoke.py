@@ -259,3 +259,65 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
     assert rt.spread_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     costs = rt.rank_costs(reports, 1)
     assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+
+
+def test_censored_mean_places_bounded_times_by_kaplan_meier() -> None:
+    import runtime_vs_torch_pipelining as rt
+
+    # Every time exact: the plain mean.
+    assert rt.censored_mean([(1.0, True), (2.0, True), (6.0, True)]) == pytest.approx(3.0)
+    # 1 and 3 exact, one at most 2: its mass goes to the exact times at or below 2 (only 1), so 1/3 at 3, 2/3 at 1.
+    assert rt.censored_mean([(1.0, True), (3.0, True), (2.0, False)]) == pytest.approx(5 / 3)
+    # Below the smallest exact time nothing is known: a time bounded by 1 stays at 1 (the mean errs high).
+    assert rt.censored_mean([(2.0, True), (1.0, False)]) == pytest.approx(1.5)
+    # Bounds above every exact time say nothing new about them.
+    assert rt.censored_mean([(1.0, True), (3.0, True), (5.0, False)]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no exact sample"):
+        rt.censored_mean([(1.0, False)])
+
+
+def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> None:
+    """A timeline the simulator made with a 10 ms link, handed to the bench as if measured: every transfer it reads
+    off took one link time from its start (or two where the receive was posted after the send: the ready notice
+    goes first), both link fits find it, and a receive whose data was there bounds its transfer from above."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.analysis.peak_memory import recv_posts
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
+    from tests.test_runtime import MLP, make_plan
+
+    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind="gpipe", microbatches=4)
+    module = rt.parse_module((plan / "plan.dapple").read_text())
+    modelled = {InstrKind.FORWARD: 0.1, InstrKind.BACKWARD: 0.2, InstrKind.OPTIMIZER_STEP: 0.05}
+    durations = {
+        (r, i): modelled[ins.kind]
+        for r, p in enumerate(module.programs)
+        for i, ins in enumerate(p.instrs)
+        if ins.kind in modelled
+    }
+    # Rank 1 computes 10x faster: rank 0's gradients come back while it still runs forwards, so some of its
+    # receives find their data there (spans of 0: the floor a wait is measured from), others wait.
+    durations = {(r, i): s / 10 if r == 1 else s for (r, i), s in durations.items()}
+    link = Link(math.inf, 0.01)
+    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
+    reports = []
+    for r, p in enumerate(module.programs):
+        spans = []
+        for i, ins in enumerate(p.instrs):
+            end = sim.starts[r][i] if ins.kind is InstrKind.SEND else sim.ends[r][i]
+            span = {"kind": ins.kind.value, "index": i, "start_s": sim.starts[r][i], "end_s": end, "peer": ins.peer}
+            spans.append(span)
+        reports.append({"rank": r, "spans": spans, "step_times": {"0": [0.0, max(sim.ends[r])]}})
+    found = rt.transfers(module, reports, 0)
+    sends = sum(ins.kind is InstrKind.SEND for p in module.programs for ins in p.instrs)
+    assert len(found) == sends
+    exact = [t.seconds for t in found if t.landed]
+    assert exact and all(s == pytest.approx(0.01) or s == pytest.approx(0.02) for s in exact)
+    # A receive that found its data there bounds the transfer from above, loosely: from its start to the receive's.
+    assert any(not t.landed for t in found) and all(t.seconds >= 0.01 - 1e-12 for t in found)
+    idle = rt.fitted_link([(t.nbytes, t.seconds) for t in found if t.idle])
+    assert 0.01 - 1e-9 <= idle.latency <= 0.02 + 1e-9
+    assert 0.01 - 1e-9 <= rt.every_transfer_link(found).latency <= 0.02 + 1e-9
+    assert any(recv_posts(module, p) for p in module.programs)  # early posts were read, not only at-the-recv ones
