@@ -350,6 +350,38 @@ def test_a_receive_posted_within_a_latency_of_its_send_holds_the_bytes_until_its
     assert [k for k in kinds if k[1] in (F, B)] == [(0, F), (1, F), (1, B), (0, B)]
 
 
+def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_post() -> None:
+    """A send in `durations` is a measured transfer: it lands that long after the later of its send and its
+    receive's post, on no link and with no ready notice of its own (the measurement holds them).
+
+    The example above with h0 measured at 0.5 s and the gradient at 0.25 s: h0 sent at 1 (posted at 0) lands at
+    1.5; rank 1 runs F 1.5-2.5, B -4.5; the gradient (posted at 1) lands at 4.75; rank 0's B ends at 6.75.
+    """
+    module = schedule_module("gpipe", 2, 1, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+    kind = DeviceKind("test", 1e12, {"f32": 1e12}, math.inf)
+    cluster = ClusterSpec((kind,), 2, Link(100e6, 2.0), Link(10e6, 1.0), name="slow")
+    send = {
+        ins.grad: (r, i)
+        for r, p in enumerate(module.programs)
+        for i, ins in enumerate(p.instrs)
+        if ins.kind is InstrKind.SEND
+    }
+    result = simulate(module, cluster=cluster, durations={send[False]: 0.5, send[True]: 0.25})
+    sends = {(e.rank, e.instr.grad): (e.start_s, e.end_s) for e in result.events() if e.instr.kind is InstrKind.SEND}
+    assert sends[(0, False)] == pytest.approx((1.0, 1.5))
+    assert sends[(1, True)] == pytest.approx((4.5, 4.75))
+    assert result.iteration_s == pytest.approx(6.75)
+    assert result.links == []  # a measured transfer takes no link
+    # Posted after its send: the hand example's h1 (sent at 2, posted at 4.201), measured at 0.3 s, lands at 4.501.
+    order = [one_f_one_b_order(s, 2, 2) for s in range(2)]
+    module = pipeline_module(
+        2, 2, order, fwd_s=2.0, bwd_s=4.0, act_bytes=800.0, out_bytes=40e6, microbatch_size=4, param_elems=1000
+    )
+    h1 = next(i for i, ins in enumerate(module.programs[0].instrs) if ins.kind is InstrKind.SEND and ins.mb == 1)
+    result = simulate(module, cluster=small_cluster(), durations={(0, h1): 0.3})
+    assert (result.starts[0][h1], result.ends[0][h1]) == pytest.approx((2.0, 4.501))
+
+
 def test_allreduce_waits_for_the_whole_group() -> None:
     """Replica 0 runs microbatches 0 and 2, replica 1 only 1: the ring starts when replica 0 arrives.
 

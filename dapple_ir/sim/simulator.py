@@ -110,6 +110,9 @@ class _Transfer:
     nbytes: float
     path: tuple[int, ...]
     latency: float
+    notice: float
+    """How long the receiver's ready notice takes to reach the sender: the path's latency, or 0 for a replayed
+    transfer, whose measured time counts from the later of its send and its post (the notice included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +224,9 @@ def simulate(
     `cluster` attribute, else ideal links (communication free).
     `durations`: seconds by (rank, instruction index) that replace the modelled time of those forward,
     backward (whole, input or weight) and optimizer-step instructions: a measured step replayed on the
-    plan's dependencies (`bench/runtime_vs_torch_pipelining.py`); other kinds keep their own timing.
+    plan's dependencies (`bench/runtime_vs_torch_pipelining.py`). A send's entry is its transfer's time,
+    from the later of the send and its receive's post to the data's arrival (the ready notice and any link
+    sharing included: the transfer takes no link). Other kinds keep their own timing.
     """
     (result,) = simulate_each(
         module_or_path, [durations or {}], cluster=cluster, backward_input_fraction=backward_input_fraction
@@ -487,7 +492,7 @@ class _Simulator:
                             posted[post] = (t, i)
                             waiting = self.unposted.pop(post, None)
                             if waiting is not None:
-                                self.defer(t + waiting.latency, waiting)
+                                self.defer(t + waiting.notice, waiting)
                                 if i > 0:  # the transfer waited for what this rank ran before posting
                                     held_by[(waiting.src, waiting.index)] = (r, i - 1)
                 # Compute kinds fall through to the common tail; the others finish their own entry.
@@ -514,13 +519,17 @@ class _Simulator:
                     # Pieces of one value (split stages) reach one rank from several: the sender is in the key.
                     key: tuple = (value, instr.grad, instr.mb, r, peer)  # type: ignore[type-arg]
                     st[i] = t
-                    transfer = _Transfer(key, r, i, nbytes, path, latency)
+                    timed = replayed.get((r, i)) if replayed is not None else None
+                    if timed is None:
+                        transfer = _Transfer(key, r, i, nbytes, path, latency, latency)
+                    else:  # measured: arrives `timed` after the later of now and the post, on no link
+                        transfer = _Transfer(key, r, i, nbytes, (), timed, 0.0)
                     if nbytes <= 0:
                         self.start_transfer(t, transfer)  # nothing moves, nothing to wait for
                     elif key not in posted:
                         self.unposted[key] = transfer
-                    elif posted[key][0] + latency > t:
-                        self.defer(posted[key][0] + latency, transfer)
+                    elif posted[key][0] + transfer.notice > t:
+                        self.defer(posted[key][0] + transfer.notice, transfer)
                         if posted[key][1] > 0:
                             held_by[(r, i)] = (peer, posted[key][1] - 1)  # type: ignore[assignment]
                     else:
