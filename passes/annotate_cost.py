@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapple_ir.analysis.memory import optimizer_state_factor
-from dapple_ir.cluster.roofline import rescaled_s, roofline_times
+from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
-from dapple_ir.ir import Module, Op, OpKind, TensorType
+from dapple_ir.ir import Module, Op, OpKind
+from dapple_ir.planner.cost_model import op_roofline
 from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 _FREE = (OpKind.INPUT, OpKind.OUTPUT)
@@ -79,14 +80,11 @@ class AnnotateCost(Pass):
         spec = self.cluster(ctx, module)
         kind = spec.device(self.device)
         overrides = self.efficiency_overrides()
-        scale = target / (module.attrs.batch or target)
         for op in counted:
             eff = overrides.get(op.attrs.op_class or "matmul") or spec.efficiency_of(op.attrs.op_class)
             # Weights are read once whatever the batch; only the activations' share scales.
-            weights = min(module.param_bytes_of([op]), op.attrs.mem_bytes or 0.0)
-            moved = ((op.attrs.mem_bytes or 0.0) - weights) * scale + weights
-            flops = ((op.attrs.fwd_flops or 0.0) * scale, (op.attrs.bwd_flops or 0.0) * scale)
-            op.attrs.fwd_s, op.attrs.bwd_s = roofline_times(flops, moved, kind, _dtype(op), eff)
+            priced = op_roofline(module, op, eff, module.attrs.batch or target)
+            op.attrs.fwd_s, op.attrs.bwd_s = priced.times(target, kind)
             if op.attrs.act_bytes is not None and old:
                 op.attrs.act_bytes = op.attrs.act_bytes * target / old
         ctx.log(f"annotate-cost: roofline on {kind.name} for {len(counted)} op(s) at {target} sample(s)")
@@ -175,11 +173,6 @@ def _rescale(op: Op, old: int | None, new: int, kind: DeviceKind | None) -> None
 def _moved(seconds: float, old: int, new: int, kind: DeviceKind | None) -> float:
     """An op call's time at `new` samples from `old`: its fixed part kept where the device is known."""
     return seconds * new / old if kind is None else rescaled_s(seconds, old, new, kind)
-
-
-def _dtype(op: Op) -> str:
-    # The result's element type picks the peak (f16 tensor cores are far faster than f32).
-    return op.type.dtype if isinstance(op.type, TensorType) else "f32"
 
 
 def _fraction(value: float) -> float:

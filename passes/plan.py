@@ -4,7 +4,8 @@ The planner (`dapple_ir.planner`) proposes and checks candidates with its cost m
 it the score that ranks the best few: `lower_and_simulate` lowers a candidate on a copy of the module
 (`schedule`, `lower-comm`, `insert-frees`, found by name in the registry) and simulates it.
 
-An op's time is affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`: a fixed part per call
+An op the roofline priced (`cost_model.roofline_ops`) is priced again at each microbatch size; any
+other op's time is affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`: a fixed part per call
 that a smaller microbatch does not shrink), while the simulator scales the costs it reads linearly
 from the module's `cost_batch`. So the simulated candidate, and the plan this pass writes, carry
 every op's time at the candidate's microbatch size (`cost_batch` = the microbatch size): the
@@ -22,7 +23,7 @@ from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
-from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module
+from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Request, search, write_stages
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
 from dapple_ir.sim.simulator import simulate
@@ -122,13 +123,15 @@ Costs = tuple[float | None, float | None, float | None]
 
 def _costs_at(module: Module, problem: Problem, cand: Candidate) -> list[tuple[Op, Costs]]:
     """Each op's (forward s, backward s, activation bytes) at `cand`'s microbatch size, from the
-    module's costs at its `cost_batch`: times keep their fixed part (`rescaled_s`, the planning
-    cluster's device kind, as `problem_from_module` counts it), activation bytes scale."""
+    module's costs at its `cost_batch`: an op the roofline priced priced again (`roofline_ops`), any other
+    time keeping its fixed part (`rescaled_s`, the planning cluster's device kind, as `problem_from_module`
+    counts it); activation bytes scale."""
     old = module.attrs.cost_batch or module.attrs.batch
     new = problem.microbatch_size(cand.microbatches)
     if not old or old == new:
         return []
     kind = problem.cluster.device(0)
+    priced = roofline_ops(module, problem.cluster)
 
     def time(seconds: float | None) -> float | None:
         return None if seconds is None else rescaled_s(seconds, old, new, kind)
@@ -136,7 +139,10 @@ def _costs_at(module: Module, problem: Problem, cand: Candidate) -> list[tuple[O
     def size(nbytes: float | None) -> float | None:
         return None if nbytes is None else nbytes * new / old
 
-    return [(op, (time(op.attrs.fwd_s), time(op.attrs.bwd_s), size(op.attrs.act_bytes))) for op in module.ops]
+    def times(op: Op) -> tuple[float | None, float | None]:
+        return priced[op].times(new, kind) if op in priced else (time(op.attrs.fwd_s), time(op.attrs.bwd_s))
+
+    return [(op, (*times(op), size(op.attrs.act_bytes))) for op in module.ops]
 
 
 def write_costs_at_microbatch(module: Module, problem: Problem, cand: Candidate) -> None:

@@ -172,3 +172,68 @@ def test_calibration_needs_two_microbatch_sizes(tmp_path: Path) -> None:
     _profile_json(same, 4, 1e-5, {"a": 1e-5})
     with pytest.raises(DappleError, match="two or more microbatch sizes"):
         fit_fixed_s([str(one), str(same)])
+
+
+#: A Linear(1024, 1024) captured at 8 samples, on one V100: reading its 4 MB of weights takes longer than its
+#: FLOPs at 8 samples, its FLOPs longer than its bytes at 256 (the golden `annotate_cost/roofline` case).
+_LINEAR = """module @mlp attributes {batch = 8, cluster = "1x1xV100-16GB"} {
+  param @fc.weight : f32[1024,1024]
+  param @fc.bias : f32[1024]
+  %x = input : f32[8,1024] {act_bytes = 32768.0}
+  %fc = call_module @fc(%x) : f32[8,1024] {fwd_flops = 16777216.0, bwd_flops = 33554432.0, mem_bytes = 4263936.0, \
+op_class = "matmul", act_bytes = 0.0, params = [@fc.weight, @fc.bias]}
+  %loss = call_method @sum(%fc) : f32[] {fwd_flops = 0.0, bwd_flops = 0.0, mem_bytes = 32772.0, \
+op_class = "elementwise", act_bytes = 0.0}
+  %output = output(%loss) : f32[]
+}
+"""
+
+
+def _linear_by_hand(batch: int) -> tuple[float, float]:
+    """The Linear's roofline at `batch` samples, by hand: V100 f32 15.7 TFLOP/s, 900 GB/s, matmul at 0.6."""
+    peak, bandwidth, call = 15.7e12, 900e9, PRESETS["V100-16GB"].op_overhead
+    flops = 2 * batch * 1024 * 1024
+    moved = (1024 * 1024 + 1024) * 4 + 2 * batch * 1024 * 4
+    return (
+        max(flops / peak, moved / bandwidth) / 0.6 + call,
+        max(2 * flops / peak, 2 * moved / bandwidth) / 0.6 + call,
+    )
+
+
+def test_an_op_the_roofline_priced_is_priced_again_at_each_microbatch() -> None:
+    """Memory-bound at its 8 samples, compute-bound at 256: no straight line through its time at 8 finds its
+    time at 256 (the weights' bytes do not grow with the batch), so the planner and `plan` price it again."""
+    from dapple_ir.ir.parser import parse_module
+
+    at8, at256 = _linear_by_hand(8), _linear_by_hand(256)
+    call = PRESETS["V100-16GB"].op_overhead
+    assert 8 * 1024 * 1024 * 2 / 15.7e12 < (1024 * 1024 + 1024) * 4 / 900e9  # memory-bound at 8
+    assert rescaled_s(at8[0], 8, 256, PRESETS["V100-16GB"]) > 3 * at256[0]  # the affine move overshoots 3x
+    module = parse_module(_LINEAR)
+    module.attrs.global_batch = 256
+    ctx = PassContext(cluster="1x1xV100-16GB")
+    PassManager(build_pipeline("annotate-cost,coarsen")).run(module, ctx)
+    fc = next(op for op in module.ops if op.name == "fc")
+    assert (fc.attrs.fwd_s, fc.attrs.bwd_s) == pytest.approx(at8, rel=1e-12)
+    problem = problem_from_module(module, resolve_cluster("1x1xV100-16GB"), 256)
+    sum_op = next(op for op in module.ops if op.name == "loss")
+    for rows in (8, 64, 256):
+        fwd, bwd = problem.times_at(rows)
+        linear = _linear_by_hand(rows)
+        assert fwd[-1] == pytest.approx(
+            linear[0] + rescaled_s(sum_op.attrs.fwd_s or 0.0, 8, rows, PRESETS["V100-16GB"])
+        )
+        assert bwd[-1] == pytest.approx(
+            linear[1] + rescaled_s(sum_op.attrs.bwd_s or 0.0, 8, rows, PRESETS["V100-16GB"])
+        )
+    # The plan writes the op's time at its microbatch, and the simulator prices that.
+    PassManager(build_pipeline("plan{microbatches=1},schedule,lower-comm,insert-frees")).run(module, ctx)
+    assert module.attrs.cost_batch == 256
+    assert (fc.attrs.fwd_s, fc.attrs.bwd_s) == pytest.approx(at256, rel=1e-12)
+    assert fc.attrs.fwd_s is not None and fc.attrs.fwd_s - call < (at8[0] - call) * 32 / 3
+    # Priced with efficiencies of its own (annotate-cost's option), an op is not the cluster's roofline: affine.
+    other = parse_module(_LINEAR)
+    PassManager(build_pipeline("annotate-cost{efficiency=0.3},coarsen")).run(other, ctx)
+    fc_other = next(op for op in other.ops if op.name == "fc")
+    kept = problem_from_module(other, resolve_cluster("1x1xV100-16GB"), 256).times_at(256)[0][1]
+    assert kept == pytest.approx(rescaled_s(fc_other.attrs.fwd_s or 0.0, 8, 256, PRESETS["V100-16GB"]))

@@ -5,7 +5,10 @@ backward. The backward moves about twice the forward's bytes: it reads the saved
 output gradient, and writes the input gradient. `annotate-cost` prices ops with it and
 `dapple calibrate --fit` divides measured times by it.
 
-An op's time is affine in its batch: `op_overhead` (the kernel launch and the floor a kernel too
+An op the roofline prices (`OpRoofline`) is priced again at each batch: one memory-bound at a
+small batch (its weights read whatever the batch) may be compute-bound at a larger one, and no
+straight line through one of its times finds the other. A time from elsewhere (a profile) is
+taken to be affine in its batch: `op_overhead` (the kernel launch and the floor a kernel too
 small to fill the device cannot go below) does not shrink with the batch, the rest scales with it.
 So an op's efficiency, its variable part over its whole time, falls with the batch, to one half at
 the batch whose variable part equals `op_overhead`. `rescaled_s` moves a time measured or priced
@@ -14,6 +17,8 @@ chosen microbatch, so that the simulator sees the fixed part too) and `annotate-
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from dapple_ir.cluster.spec import DeviceKind
 
@@ -34,6 +39,40 @@ def roofline_times(
     if bwd > 0:
         bwd += kind.op_overhead
     return fwd, bwd
+
+
+@dataclass(frozen=True)
+class OpRoofline:
+    """What the roofline prices an op from, per sample where it grows with the batch: its forward and backward
+    FLOPs, the bytes it moves (`act_bytes`) besides those it moves whatever the batch (`weight_bytes`, its
+    parameters), its element type and its efficiency."""
+
+    fwd_flops: float
+    bwd_flops: float
+    act_bytes: float
+    weight_bytes: float
+    dtype: str = "f32"
+    efficiency: float = 1.0
+
+    @classmethod
+    def at_batch(
+        cls,
+        batch: float,
+        flops: tuple[float, float],
+        mem_bytes: float,
+        weight_bytes: float,
+        dtype: str = "f32",
+        efficiency: float = 1.0,
+    ) -> OpRoofline:
+        """From an op's (forward, backward) FLOPs and moved bytes at `batch` samples, of which `weight_bytes`
+        (at most all) do not grow with the batch."""
+        weights = min(weight_bytes, mem_bytes)
+        return cls(flops[0] / batch, flops[1] / batch, (mem_bytes - weights) / batch, weights, dtype, efficiency)
+
+    def times(self, batch: float, kind: DeviceKind) -> tuple[float, float]:
+        """Forward and backward seconds at `batch` samples on `kind` (`roofline_times`)."""
+        flops = (self.fwd_flops * batch, self.bwd_flops * batch)
+        return roofline_times(flops, self.weight_bytes + self.act_bytes * batch, kind, self.dtype, self.efficiency)
 
 
 def fixed_s(seconds: float, kind: DeviceKind) -> float:

@@ -14,8 +14,9 @@ over the stages from last to first so that dynamic programming can use the same 
     H_s    = max(AR_s, H_{s+1} - (B_s + c_s))       allreduce time not hidden by the drain
     T      = max(G_0 + max(0, H_0) + TIED, floor)
 
-F, B are the stage's times for a microbatch of b = global_batch / M samples: their op calls' fixed
-part as it is, the rest scaled from `cost_batch` (`Problem.prefix_times`, `roofline.rescaled_s`);
+F, B are the stage's times for a microbatch of b = global_batch / M samples: an op the roofline priced
+(`roofline_ops`) priced again at b, any other's fixed part as it is and the rest scaled from
+`cost_batch` (`Problem.prefix_times`, `roofline.rescaled_s`);
 c_s is the transfer of one microbatch over the cut after s, sharing the links with what crosses at
 once (`traffic.cut_s`: R round-robin replicas send R microbatches side by side); l_s is how much
 later than the first the next stage's last round-robin replica gets its first microbatch
@@ -66,11 +67,11 @@ from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
 from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
-from dapple_ir.cluster.roofline import fixed_s
+from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
-from dapple_ir.ir import InstrKind, Module, OpKind
+from dapple_ir.ir import InstrKind, Module, Op, OpKind, TensorType
 from dapple_ir.planner.traffic import busiest, cut_crossings, cut_s, ring_crossings, ring_step_bytes
 from dapple_ir.schedules import ScheduleRequest, build_schedule
 
@@ -109,6 +110,10 @@ class Problem:
     calls' fixed cost, `roofline.fixed_s`); empty: none."""
     bwd_fixed_s: list[float] = field(default_factory=list)
     """The same for the backward."""
+    roofline: list[tuple[OpRoofline, ...]] = field(default_factory=list)
+    """Per layer, its ops whose times are the roofline's (`roofline_ops`): priced again at each microbatch
+    size, where the rest of the layer's time (and the fixed parts above: theirs only) moves affinely. Empty:
+    no such op anywhere."""
     unsplittable: frozenset[int] = frozenset()
     """Layers whose ops normalise over the batch (batch norm): a stage holding one cannot split its
     microbatches (each replica would normalise its rows alone)."""
@@ -158,8 +163,27 @@ class Problem:
                 [fixed + (t - fixed) * k for t, fixed in zip(self.pf, self.pff, strict=True)],
                 [fixed + (t - fixed) * k for t, fixed in zip(self.pb, self.pbf, strict=True)],
             )
+            if self.roofline:
+                found = self._repriced(found, rows)
             self._times[rows] = found
         return found
+
+    def _repriced(self, affine: tuple[list[float], list[float]], rows: int) -> tuple[list[float], list[float]]:
+        """`affine`'s prefix sums with each roofline op's affine move from `cost_batch` replaced by its roofline
+        price at `rows`."""
+        kind = self.cluster.device(0)
+        k = rows / self.cost_batch
+        fwd, bwd = [0.0], [0.0]
+        extra_f = extra_b = 0.0
+        for layer, ops in enumerate(self.roofline):
+            for op in ops:
+                at_cost, at_rows = op.times(self.cost_batch, kind), op.times(rows, kind)
+                # The affine sums moved this op's time as a variable part (its fixed part is not in pff/pbf).
+                extra_f += at_rows[0] - at_cost[0] * k
+                extra_b += at_rows[1] - at_cost[1] * k
+            fwd.append(affine[0][layer + 1] + extra_f)
+            bwd.append(affine[1][layer + 1] + extra_b)
+        return fwd, bwd
 
     def capacity(self, device: int) -> float:
         return self.cluster.device(device).memory_bytes
@@ -169,6 +193,45 @@ class Problem:
         if self.unsliceable and ((lo - 1) in self.unsliceable or (hi - 1) in self.unsliceable):
             return False
         return not any(lo <= k < hi for k in self.unsplittable)
+
+
+def op_roofline(module: Module, op: Op, efficiency: float, recorded_at: int) -> OpRoofline:
+    """What the roofline prices `op` from: the FLOPs and bytes capture recorded for `recorded_at` samples (the
+    module's `batch`), its parameters as the bytes read whatever the batch, its result's element type (which
+    picks the peak: f16 tensor cores are far faster than f32) and `efficiency`."""
+    a = op.attrs
+    return OpRoofline.at_batch(
+        recorded_at,
+        (a.fwd_flops or 0.0, a.bwd_flops or 0.0),
+        a.mem_bytes or 0.0,
+        module.param_bytes_of([op]),
+        op.type.dtype if isinstance(op.type, TensorType) else "f32",
+        efficiency,
+    )
+
+
+def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
+    """The ops whose times are the roofline's on `cluster`'s device (its first kind) at the module's `cost_batch`
+    (`annotate-cost`'s analytic source with the cluster's efficiencies), each with what prices it at any batch.
+    An op measured (a profile) or priced with other efficiencies is not among them: its time moves with the
+    batch affinely (`rescaled_s`)."""
+    batch = module.attrs.batch
+    cost_batch = module.attrs.cost_batch or batch
+    if not batch or not cost_batch:
+        return {}
+    kind = cluster.device(0)
+    found: dict[Op, OpRoofline] = {}
+    for op in module.ops:
+        a = op.attrs
+        if a.fwd_s is None or a.bwd_s is None or (a.fwd_flops is None and a.mem_bytes is None):
+            continue
+        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch)
+        fwd, bwd = model.times(cost_batch, kind)
+        if math.isclose(fwd, a.fwd_s, rel_tol=1e-9, abs_tol=1e-15) and math.isclose(
+            bwd, a.bwd_s, rel_tol=1e-9, abs_tol=1e-15
+        ):
+            found[op] = model
+    return found
 
 
 def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int) -> Problem:
@@ -188,6 +251,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         grads.append(params)
     batch = module.attrs.batch or module.attrs.cost_batch or 1
     kind = cluster.device(0)
+    priced = roofline_ops(module, cluster)
     return Problem(
         fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
         bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
@@ -200,8 +264,13 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         cost_batch=module.attrs.cost_batch or batch,
         batch=batch,
         names=[layer.name for layer in module.layers],
-        fwd_fixed_s=[sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
-        bwd_fixed_s=[sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops) for layer in module.layers],
+        fwd_fixed_s=[
+            sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
+        ],
+        bwd_fixed_s=[
+            sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
+        ],
+        roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
         tied=_tied_layers(module),
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),
