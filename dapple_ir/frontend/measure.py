@@ -40,6 +40,10 @@ _TINY_DEPTH = 16
 _FIT = {"cpu": (64, (1, 4, 16, 64)), "cuda": (512, (16, 64, 256, 1024))}
 #: Message sizes of the link measurement: latency from the small one, bandwidth from the large one.
 _PING_BYTES, _BULK_BYTES = 4, 16 * 2**20
+#: Round trips of the small message (the first dropped, the median kept): a few milliseconds in all. With 7, one
+#: calibration on a 2-core VM read 1845 us where the others read 90-140 us, and every pipelined plan it priced
+#: was off by as much.
+_PINGS = 61
 _LINK_TIMEOUT_S = 120.0
 
 
@@ -156,10 +160,10 @@ def _link_worker(rank: int, port: int, results: Any) -> None:
         )  # fmt: skip
         peer = 1 - rank
 
-        def round_trip(nbytes: int) -> float:
+        def round_trip(nbytes: int, rounds: int) -> float:
             buf = torch.zeros(nbytes // 4)
             times = []
-            for _ in range(7):
+            for _ in range(rounds):
                 start = time.perf_counter()
                 if rank == 0:
                     dist.send(buf, peer)
@@ -170,7 +174,7 @@ def _link_worker(rank: int, port: int, results: Any) -> None:
                 times.append(time.perf_counter() - start)
             return sorted(times[1:])[len(times[1:]) // 2]
 
-        ping, bulk = round_trip(_PING_BYTES), round_trip(_BULK_BYTES)
+        ping, bulk = round_trip(_PING_BYTES, _PINGS), round_trip(_BULK_BYTES, 7)
         dist.destroy_process_group()
         if rank == 0:
             results.put((ping, bulk))

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -134,6 +135,8 @@ class Problem:
         self.pff = [0.0, *accumulate(self.fwd_fixed_s or [0.0] * len(self.fwd_s))]
         self.pbf = [0.0, *accumulate(self.bwd_fixed_s or [0.0] * len(self.bwd_s))]
         self._times: dict[int, tuple[list[float], list[float]]] = {}
+        self._terms: list[list[tuple[int, int]]] | None = None
+        self._models: list[OpRoofline] = []
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -170,17 +173,28 @@ class Problem:
 
     def _repriced(self, affine: tuple[list[float], list[float]], rows: int) -> tuple[list[float], list[float]]:
         """`affine`'s prefix sums with each roofline op's affine move from `cost_batch` replaced by its roofline
-        price at `rows`."""
+        price at `rows`. Ops alike (a transformer's blocks repeat theirs) are priced once per size: a large plan
+        asks for many sizes (a split stage's rows for each replica count)."""
+        if self._terms is None:
+            models: dict[OpRoofline, int] = {}
+            self._terms = [
+                sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
+            ]
+            self._models = list(models)
         kind = self.cluster.device(0)
         k = rows / self.cost_batch
+        # Per model: what pricing it at `rows` adds to the affine move of its time at `cost_batch` (which the
+        # affine sums scaled whole: its fixed part is not in pff/pbf).
+        delta = []
+        for model in self._models:
+            at_cost, at_rows = model.times(self.cost_batch, kind), model.times(rows, kind)
+            delta.append((at_rows[0] - at_cost[0] * k, at_rows[1] - at_cost[1] * k))
         fwd, bwd = [0.0], [0.0]
         extra_f = extra_b = 0.0
-        for layer, ops in enumerate(self.roofline):
-            for op in ops:
-                at_cost, at_rows = op.times(self.cost_batch, kind), op.times(rows, kind)
-                # The affine sums moved this op's time as a variable part (its fixed part is not in pff/pbf).
-                extra_f += at_rows[0] - at_cost[0] * k
-                extra_b += at_rows[1] - at_cost[1] * k
+        for layer, terms in enumerate(self._terms):
+            for index, count in terms:
+                extra_f += count * delta[index][0]
+                extra_b += count * delta[index][1]
             fwd.append(affine[0][layer + 1] + extra_f)
             bwd.append(affine[1][layer + 1] + extra_b)
         return fwd, bwd
