@@ -668,8 +668,8 @@ def censored_mean(samples: list[tuple[float, bool]]) -> float:
 def every_transfer_link(found: list[Transfer]) -> Link:
     """`fitted_link` over every transfer: at each message size, the censored mean (`censored_mean`) of its
     transfers, weighted by their count. Transfers into a computing receiver count too, which on a host whose cores
-    all compute take far longer than into a waiting one: where `fitted_link` on idle receivers
-    (`message_seconds`) is a lower bound on what a transfer costs, this errs high."""
+    all compute take far longer than into a waiting one: where `fitted_link` on the idle receivers' transfers
+    (`Transfer.idle`) is a lower bound on what a transfer costs, this errs high."""
     sizes: dict[float, list[tuple[float, bool]]] = {}
     for t in found:
         sizes.setdefault(t.nbytes, []).append((t.seconds, t.landed))
@@ -694,10 +694,11 @@ def fitted_link(samples: list[tuple[float, float]]) -> Link:
     return Link(1.0 / slope, max(0.0, my - slope * mx))
 
 
-def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tuple[list[float], float]:
-    """The simulator's idle per rank, and its iteration, for the plan with what was measured: each stage's compute
-    its median span times its rank's `work_factor` (so a rank's simulated work per step is its measured busy
-    time), each rank's optimizer step its measured median, every transfer `link`."""
+def simulated_waiting(plan_dir: Path, costs: list[RankCosts], links: list[Link]) -> list[tuple[list[float], float]]:
+    """Per link, the simulator's idle per rank and its iteration for the plan with what was measured: each stage's
+    compute its median span times its rank's `work_factor` (so a rank's simulated work per step is its measured
+    busy time), each rank's optimizer step its measured median, every transfer that link. The costs are set up
+    once for all the links."""
     from dapple_ir.analysis.memory import batch_scale
     from dapple_ir.ir import InstrKind
     from dapple_ir.sim.simulator import simulate
@@ -723,12 +724,16 @@ def simulated_waiting(plan_dir: Path, costs: list[RankCosts], link: Link) -> tup
     fraction = median(fractions) if fractions else 0.5
     # The simulator costs an optimizer step as bytes / memory bandwidth: a probe at 1 byte/s gives each rank's
     # bytes, and each rank gets its own device kind whose bandwidth turns them into the measured time.
-    probe = simulate(module, cluster=_measured_cluster([1.0] * len(costs), link), backward_input_fraction=fraction)
+    free = Link(math.inf, 0.0)  # the optimizer step's bytes do not depend on the link
+    probe = simulate(module, cluster=_measured_cluster([1.0] * len(costs), free), backward_input_fraction=fraction)
     steps = [next(i for i, ins in enumerate(p.instrs) if ins.kind is InstrKind.OPTIMIZER_STEP) for p in module.programs]
     moved = [probe.ends[r][i] - probe.starts[r][i] for r, i in enumerate(steps)]
     bandwidths = [m / c.optimizer_s if c.optimizer_s > 0 < m else math.inf for m, c in zip(moved, costs, strict=True)]
-    result = simulate(module, cluster=_measured_cluster(bandwidths, link), backward_input_fraction=fraction)
-    return list(result.bubble_fraction), result.iteration_s
+    found = []
+    for link in links:
+        result = simulate(module, cluster=_measured_cluster(bandwidths, link), backward_input_fraction=fraction)
+        found.append((list(result.bubble_fraction), result.iteration_s))
+    return found
 
 
 def step_durations(reports: list[dict[str, Any]], warmup: int) -> list[dict[tuple[int, int], float]]:
@@ -883,9 +888,9 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         cpu.append(cpu_shares(reports, warmup, costs))
         found = transfers(module, reports, warmup)
         link = fitted_link([(t.nbytes, t.seconds) for t in found if t.idle])
-        bubble, iteration = simulated_waiting(plan_dir, costs, link)
+        (bubble, iteration), (high, _) = simulated_waiting(plan_dir, costs, [link, every_transfer_link(found)])
         simulated.append(bubble)
-        upper.append(simulated_waiting(plan_dir, costs, every_transfer_link(found))[0])
+        upper.append(high)
         steps = step_durations(reports, warmup)
         replayed.append(replayed_waiting(module, steps, link))
         reconstructed.append(replayed_waiting(module, with_transfers(steps, found, reports, warmup), link))

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,17 +220,15 @@ def test_device_check_fails_fast_without_cuda() -> None:
     assert "no CUDA device" in proc.stderr
 
 
-def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
-    """A timeline the simulator made, handed to the bench as if measured, replays to the waiting it has, and the
-    measured waiting read off it is the same: the replay adds or drops no time of its own."""
+def _modelled_plan(tmp_path: Path, kind: str) -> tuple[Any, dict[tuple[int, int], float]]:
+    """A 2-stage MLP plan of 4 microbatches and its instructions' times: forward 0.1 s, backward 0.2 s,
+    optimizer step 0.05 s."""
     import runtime_vs_torch_pipelining as rt
 
-    from dapple_ir.cluster.spec import Link
     from dapple_ir.ir import InstrKind
-    from dapple_ir.sim.simulator import simulate
     from tests.test_runtime import MLP, make_plan
 
-    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind="1f1b", microbatches=4)
+    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind=kind, microbatches=4)
     module = rt.parse_module((plan / "plan.dapple").read_text())
     modelled = {InstrKind.FORWARD: 0.1, InstrKind.BACKWARD: 0.2, InstrKind.OPTIMIZER_STEP: 0.05}
     durations = {
@@ -238,23 +237,48 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
         for i, ins in enumerate(p.instrs)
         if ins.kind in modelled
     }
-    link = Link(math.inf, 0.0)
-    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
-    assert max(sim.bubble_fraction) > 0.1  # a pipeline with waiting to find
+    return module, durations
+
+
+def _as_measured(module: Any, sim: Any, steps: int) -> list[dict[str, Any]]:
+    """The ranks' reports the runtime would write for `steps` simulated iterations one after the other: a span per
+    instruction (a send's ends where it starts: the runtime hands it on, the simulator ends it at its arrival), a
+    rank's step ending with its last instruction."""
+    from dapple_ir.ir import InstrKind
+
     reports = []
     for r, p in enumerate(module.programs):
         spans, step_times = [], {}
-        for k in range(3):  # three steps of the simulated iteration, one after the other
+        for k in range(steps):
             t0 = k * sim.iteration_s
-            step_times[str(k)] = [t0, t0 + max(sim.ends[r])]
+            here = []
             for i, ins in enumerate(p.instrs):
-                stage = ins.stage.name if ins.stage else None
                 start, end = t0 + sim.starts[r][i], t0 + sim.ends[r][i]
                 if ins.kind is InstrKind.SEND:
-                    end = start  # the simulator's send ends when its data arrives; the runtime's when it is handed on
-                span = {"kind": ins.kind.value, "index": i, "stage": stage, "start_s": start, "end_s": end}
-                spans.append({**span, "peer": ins.peer})
+                    end = start
+                stage = ins.stage.name if ins.stage else None
+                span = {"kind": ins.kind.value, "index": i, "stage": stage, "peer": ins.peer}
+                here.append({**span, "start_s": start, "end_s": end})
+            step_times[str(k)] = [t0, max(sp["end_s"] for sp in here)]
+            spans += here
         reports.append({"rank": r, "spans": spans, "step_times": step_times})
+    return reports
+
+
+def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
+    """A timeline the simulator made, handed to the bench as if measured, replays to the waiting it has, and the
+    measured waiting read off it is the same: the replay adds or drops no time of its own."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
+
+    module, durations = _modelled_plan(tmp_path, "1f1b")
+    link = Link(math.inf, 0.0)
+    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
+    assert max(sim.bubble_fraction) > 0.1  # a pipeline with waiting to find
+    reports = _as_measured(module, sim, 3)
     steps = rt.step_durations(reports, 1)
     assert rt.replayed_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     # With its transfers' measured times too (here all 0 s: every receive posted, the link free).
@@ -292,17 +316,8 @@ def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> No
     from dapple_ir.cluster.spec import Link
     from dapple_ir.ir import InstrKind
     from dapple_ir.sim.simulator import simulate
-    from tests.test_runtime import MLP, make_plan
 
-    plan = make_plan(tmp_path / "plan", MLP, stages=2, kind="gpipe", microbatches=4)
-    module = rt.parse_module((plan / "plan.dapple").read_text())
-    modelled = {InstrKind.FORWARD: 0.1, InstrKind.BACKWARD: 0.2, InstrKind.OPTIMIZER_STEP: 0.05}
-    durations = {
-        (r, i): modelled[ins.kind]
-        for r, p in enumerate(module.programs)
-        for i, ins in enumerate(p.instrs)
-        if ins.kind in modelled
-    }
+    module, durations = _modelled_plan(tmp_path, "gpipe")
     # Rank 1 computes 10x faster, so it waits for rank 0's activations, and rank 0 for some of its gradients
     # (others are there when it asks: spans of 0, the floor a wait is measured from)...
     durations = {(r, i): s / 10 if r == 1 else s for (r, i), s in durations.items()}
@@ -312,15 +327,7 @@ def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> No
     durations[(1, first)] = 0.35
     link = Link(math.inf, 0.01)
     sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
-    reports = []
-    for r, p in enumerate(module.programs):
-        spans = []
-        for i, ins in enumerate(p.instrs):
-            end = sim.starts[r][i] if ins.kind is InstrKind.SEND else sim.ends[r][i]
-            span = {"kind": ins.kind.value, "index": i, "start_s": sim.starts[r][i], "end_s": end, "peer": ins.peer}
-            spans.append(span)
-        # The rank's step ends with its last instruction (not when its last send lands at the peer).
-        reports.append({"rank": r, "spans": spans, "step_times": {"0": [0.0, max(sp["end_s"] for sp in spans)]}})
+    reports = _as_measured(module, sim, 1)
     found = rt.transfers(module, reports, 0)
     sends = sum(ins.kind is InstrKind.SEND for p in module.programs for ins in p.instrs)
     assert len(found) == sends

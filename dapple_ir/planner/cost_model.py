@@ -135,8 +135,12 @@ class Problem:
         self.pff = [0.0, *accumulate(self.fwd_fixed_s or [0.0] * len(self.fwd_s))]
         self.pbf = [0.0, *accumulate(self.bwd_fixed_s or [0.0] * len(self.bwd_s))]
         self._times: dict[int, tuple[list[float], list[float]]] = {}
-        self._terms: list[list[tuple[int, int]]] | None = None
-        self._models: list[OpRoofline] = []
+        # The roofline ops as distinct models (a transformer's blocks repeat theirs) and, per layer, (model, count).
+        models: dict[OpRoofline, int] = {}
+        self._terms = [
+            sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
+        ]
+        self._models = list(models)
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -175,12 +179,6 @@ class Problem:
         """`affine`'s prefix sums with each roofline op's affine move from `cost_batch` replaced by its roofline
         price at `rows`. Ops alike (a transformer's blocks repeat theirs) are priced once per size: a large plan
         asks for many sizes (a split stage's rows for each replica count)."""
-        if self._terms is None:
-            models: dict[OpRoofline, int] = {}
-            self._terms = [
-                sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
-            ]
-            self._models = list(models)
         kind = self.cluster.device(0)
         k = rows / self.cost_batch
         # Per model: what pricing it at `rows` adds to the affine move of its time at `cost_batch` (which the
