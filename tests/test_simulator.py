@@ -382,6 +382,38 @@ def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_
     assert (result.starts[0][h1], result.ends[0][h1]) == pytest.approx((2.0, 4.501))
 
 
+def test_a_transfer_into_a_busy_receiver_moves_slower_while_it_computes() -> None:
+    """`busy_receive_slowdown`: a transfer moves that many times slower while its receiver computes.
+
+    gpipe, 2 stages, 2 microbatches, F = 1 s, B = 2 s, 20e6 B per transfer over 100 MB/s with 0.1 s latency
+    (0.3 s). Rank 1 posts h1 early; rank 0 sends it at 2, while rank 1 computes F0 (1.3-2.3). At slowdown 4 the
+    0.3 s of F0 it overlaps move 0.075 s of it; the other 0.225 s come once rank 1 waits at its receive: h1
+    lands at 2.525 (2.3 without the slowdown, 2.6 where nothing moves while rank 1 computes). Every later
+    transfer meets a waiting receiver, so the whole iteration moves by the same 0.225 s (10.0 -> 10.225).
+    """
+
+    def run(slowdown: float) -> SimulationResult:
+        module = schedule_module("gpipe", 2, 2, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+        kind = DeviceKind("test", 1e12, {"f32": 1e12}, math.inf, busy_receive_slowdown=slowdown)
+        return simulate(module, cluster=ClusterSpec((kind,), 2, Link(100e6, 0.1), Link(10e6, 1.0), name="cpu"))
+
+    def h1(result: SimulationResult) -> tuple[float, float]:
+        return next(
+            (e.start_s, e.end_s)
+            for e in result.events()
+            if e.instr.kind is InstrKind.SEND and not e.instr.grad and e.instr.mb == 1
+        )
+
+    plain, slowed, stopped = run(1.0), run(4.0), run(math.inf)
+    assert h1(plain) == pytest.approx((2.0, 2.3))
+    assert h1(slowed) == pytest.approx((2.0, 2.525))
+    assert h1(stopped) == pytest.approx((2.0, 2.6))
+    assert (plain.iteration_s, slowed.iteration_s, stopped.iteration_s) == pytest.approx((10.0, 10.225, 10.3))
+    f1 = next(e for e in slowed.events() if e.rank == 1 and e.instr.kind is F and e.instr.mb == 1)
+    assert (f1.start_s, f1.end_s) == pytest.approx((2.525, 3.525))
+    assert slowed.busy_s == plain.busy_s  # only waiting grows
+
+
 def test_allreduce_waits_for_the_whole_group() -> None:
     """Replica 0 runs microbatches 0 and 2, replica 1 only 1: the ring starts when replica 0 arrives.
 

@@ -40,6 +40,12 @@ class DeviceKind:
     affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`), so tiny microbatches pay for it
     once per op and microbatch. `dapple calibrate` measures it (`--fit` with profiles at two or
     more microbatch sizes fits it from them)."""
+    busy_receive_slowdown: float = 1.0
+    """How many times as long the bytes of a transfer into this device take while it computes as while it
+    waits for them. 1 where the transport has hardware of its own (a GPU's copy engines and NCCL's kernels).
+    Above 1 on a CPU host whose cores all compute: the transport's socket thread waits for a core to take
+    the bytes in. The simulator slows a transfer only during its receiver's compute instructions
+    (`dapple_ir.sim.simulator`)."""
 
     def flops(self, dtype: str = "f32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])

@@ -113,6 +113,8 @@ class _Transfer:
     notice: float
     """How long the receiver's ready notice takes to reach the sender: the path's latency, or 0 for a replayed
     transfer, whose measured time counts from the later of its send and its post (the notice included)."""
+    measured: bool = False
+    """A replayed transfer: its time is as measured, whatever its receiver did meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +341,9 @@ class _Simulator:
                 self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
                 self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
         self.hosted = [hosted_stages(module, p) for p in module.programs]
+        # Per receiving rank, how much slower a transfer into it moves while it computes; None where none is.
+        slowdowns = [cluster.device(d).busy_receive_slowdown for d in self.devices]
+        self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
         self.sizes = Sizes(module)
         self.network = Network(cluster)
         self.reduce_bytes: dict[Stage, float] = {}
@@ -426,12 +431,15 @@ class _Simulator:
         # (value, grad, mb, sending rank, receiving rank) -> (arrival time, sending rank, send index)
         arrivals: dict[tuple, tuple[float, int, int]] = {}  # type: ignore[type-arg]
         recv_waiters: dict[tuple, int] = {}  # type: ignore[type-arg]
-        self.arrivals, self.recv_waiters, self.ends = arrivals, recv_waiters, ends
+        self.arrivals, self.recv_waiters, self.starts, self.ends = arrivals, recv_waiters, starts, ends
         # Transfer key -> (when its receive was posted, the instruction it was posted before); sends issued before
         # their receive's post wait in `unposted`.
         posted: dict[tuple, tuple[float, int]] = {}  # type: ignore[type-arg]
         self.unposted: dict[tuple, _Transfer] = {}  # type: ignore[type-arg]
         self.deferred: dict[int, _Transfer] = {}
+        # Transfer key -> when its bytes started to move, for receivers whose computing slows them (`landing`).
+        self.began: dict[tuple, float] = {}  # type: ignore[type-arg]
+        slowdowns, began = self.slowdowns, self.began
         post_at = self.post_at
         reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]  # type: ignore[type-arg]
         parked_key: list[tuple | None] = [None] * n  # type: ignore[type-arg]
@@ -523,7 +531,7 @@ class _Simulator:
                     if timed is None:
                         transfer = _Transfer(key, r, i, nbytes, path, latency, latency)
                     else:  # measured: arrives `timed` after the later of now and the post, on no link
-                        transfer = _Transfer(key, r, i, nbytes, (), timed, 0.0)
+                        transfer = _Transfer(key, r, i, nbytes, (), timed, 0.0, measured=True)
                     if nbytes <= 0:
                         self.start_transfer(t, transfer)  # nothing moves, nothing to wait for
                     elif key not in posted:
@@ -543,8 +551,11 @@ class _Simulator:
                         recv_waiters[key] = r
                         break
                     st[i] = t
-                    if got[0] > t:
-                        t = got[0]
+                    arrival = got[0]
+                    if slowdowns is not None and slowdowns[r] != 1.0 and key in began:
+                        arrival = self.landing(r, i, began.pop(key), arrival, got)
+                    if arrival > t:
+                        t = arrival
                         waited_on[(r, i)] = (got[1], got[2])
                     en[i] = t
                     i += 1
@@ -611,6 +622,8 @@ class _Simulator:
 
     def start_transfer(self, now: float, transfer: _Transfer) -> None:
         """Its send has issued and its receive is posted: the bytes flow from `now` (nothing when there are none)."""
+        if self.slowdowns is not None and transfer.nbytes > 0 and not transfer.measured:
+            self.began[transfer.key] = now
         if transfer.nbytes > 0 and transfer.path:
             flow, moved = self.sharing.start(now, transfer.path, transfer.nbytes)
             self.owners[flow] = (transfer.key, transfer.src, transfer.index, transfer.latency)
@@ -618,6 +631,22 @@ class _Simulator:
         else:
             arrival = now + transfer.latency if transfer.nbytes > 0 else now
             self.arrive_at(arrival, transfer.key, transfer.src, transfer.index)
+
+    def landing(self, rank: int, index: int, began: float, arrival: float, got: tuple) -> float:  # type: ignore[type-arg]
+        """When a transfer into `rank`, which has reached its receive (instruction `index`), lands: its
+        bytes took `arrival - began` on the links, and move `busy_receive_slowdown` times slower during the
+        receiver's compute instructions since `began` (`_landing`). The send's end moves with it."""
+        instrs, st, en = self.module.programs[rank].instrs, self.starts[rank], self.ends[rank]
+        busy = []
+        for j in range(index - 1, -1, -1):
+            if instrs[j].kind in COMPUTE_STREAM_KINDS and en[j] > began:
+                busy.append((max(st[j], began), en[j]))
+            if st[j] <= began:
+                break
+        busy.reverse()
+        landed = _landing(began, arrival - began, busy, self.slowdowns[rank])  # type: ignore[index]
+        self.ends[got[1]][got[2]] = landed
+        return landed
 
     def arrive_at(self, arrival: float, key: tuple, src: int, index: int) -> None:  # type: ignore[type-arg]
         self.arrivals[key] = (arrival, src, index)
@@ -749,6 +778,21 @@ def _durations(
     rerun = fwd if stage.recompute else 0.0
     f = backward_input_fraction
     return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f)
+
+
+def _landing(began: float, work: float, busy: list[tuple[float, float]], slowdown: float) -> float:
+    """When `work` seconds of transfer, started at `began`, are through if it moves at full speed outside the
+    `busy` intervals (ascending, disjoint, none before `began`) and `slowdown` times slower inside them."""
+    clock, left = began, work
+    for start, end in busy:
+        if left <= start - clock:
+            return clock + left
+        left -= start - clock
+        if left <= (end - start) / slowdown:
+            return start + left * slowdown
+        left -= (end - start) / slowdown
+        clock = end
+    return clock + left
 
 
 def _critical_path(
