@@ -980,6 +980,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.time()
+    from dapple_ir.frontend.measure import measure_cpu_link
+
+    calibrated = measure_cpu_link()[1] if args.device == "cpu" else 1.0
     if args.quick:
         cases = [
             Config("tiny", 2, "1f1b", 4, 32, steps=3, warmup=1),
@@ -1079,12 +1082,24 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(args.json)  # what is done so far survives a hard stop at run_all's limit
     if ratios:
         report.headlines.append(f"median speed-up {median(ratios):.2f}x, lowest {min(ratios):.2f}x")
+        slowdowns = [
+            float(row[table.columns.index("busy receiver's slowdown (fitted)")])
+            for row in table.rows
+            if isinstance(row[table.columns.index("busy receiver's slowdown (fitted)")], float)
+        ]
+        report.headlines.append(
+            f"busy receiver's slowdown: fitted {min(slowdowns):.3g}-{max(slowdowns):.3g}x over the rows, "
+            f"`dapple calibrate`'s measurement {calibrated:.3g}x"
+        )
         report.headlines.append(
             "every rank's waiting within 15 % of the prediction: "
             + ", ".join(f"{name} simulation in {sum(ok)} of {len(ok)} rows" for name, ok in within.items())
         )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     table.notes += [
+        f"`dapple calibrate`'s own measurement of the busy receiver's slowdown on this machine, taken before the "
+        f"cases (a 256 KiB gloo transfer into a rank that waits, and into one that computes for 20 ms first): "
+        f"{calibrated:.3g}x.",
         "models: bench/bench_models.py: MLP width 512, 8 Linear layers (2.1M parameters), global batch 256; "
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
         f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), 30 steps per run on the MLP "

@@ -3,6 +3,7 @@ errors that name the field and its line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,11 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     path = _write(tmp_path, cluster_to_toml(spec))
     again = load_cluster_toml(path)
     assert again.node_kinds == spec.node_kinds  # the cpu preset's per-op overhead included
+    # A calibrated CPU host's busy-receiver slowdown is written and read back too.
+    busy = dataclasses.replace(
+        spec, node_kinds=tuple(dataclasses.replace(k, busy_receive_slowdown=37.5) for k in spec.node_kinds)
+    )
+    assert load_cluster_toml(_write(tmp_path, cluster_to_toml(busy))).node_kinds == busy.node_kinds
     assert (again.intra, again.inter, again.devices_per_node) == (spec.intra, spec.inter, spec.devices_per_node)
     assert (again.fabric, again.cards, again.card_devices) == (spec.fabric, spec.cards, spec.card_devices)
 
@@ -159,6 +165,10 @@ _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbandwidth = -1\n', "links.intra_node.bandwidth"),
         ('devices_per_node = 8\ndevice = "H100"\n[links.inter_node]\nbandwidth = 1e15\n', "links.inter_node.bandwidth"),
         ('devices_per_node = 8\ndevice = "H100"\n[efficiency]\nmatmul = 1.5\n', "efficiency.matmul"),
+        (
+            'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nbusy_receive_slowdown = 0.5\n',
+            "device_kinds.x.busy_receive_slowdown",
+        ),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
         ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),
         ('devices_per_node = 8\ndevice = "H100"\n[network]\ncards = 9\n', "network.cards"),

@@ -64,6 +64,10 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     link = spec.link(0, 1)
     assert link != DEFAULT_LINKS["cpu"][0]
     assert 1e6 < link.bandwidth < 1e12 and 0 < link.latency < 1
+    # So was how much slower a transfer moves into a rank that computes (any figure the fit allows: on a machine
+    # with idle cores it may well be 1), and the file carries it.
+    assert 1.0 <= cpu.busy_receive_slowdown <= 1000.0
+    assert (cpu.busy_receive_slowdown != 1.0) == ("busy_receive_slowdown" in out.read_text())
 
 
 def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:

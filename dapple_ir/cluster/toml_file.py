@@ -15,6 +15,8 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     peak_flops = { f32 = 15.7e12, f16 = 125e12 }
     mem_bandwidth = 900e9
     op_overhead = 5e-6              # seconds per op call (launch), added to each roofline time
+    busy_receive_slowdown = 1.0     # a transfer into the device moves this much slower while it computes
+                                    # (1: own hardware for it; above 1 on a CPU host whose cores all compute)
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -67,7 +69,7 @@ _TOP_KEYS = {
     "network",
     "efficiency",
 }
-_KIND_KEYS = {"base", "memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead"}
+_KIND_KEYS = {"base", "memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead", "busy_receive_slowdown"}
 _LINK_KEYS = {"bandwidth", "latency"}
 _FABRIC_KEYS = {"kind", "bandwidth", "latency"}
 _NETWORK_KEYS = {"cards", "bandwidth", "latency", "card_devices"}
@@ -253,7 +255,16 @@ def _device_kinds(r: _Reader, tables: dict[str, Any]) -> dict[str, DeviceKind]:
         overhead = r.positive(
             table.get("op_overhead", preset.op_overhead if preset else 0.0), f"{where}.op_overhead", allow_zero=True
         )
-        kinds[name] = DeviceKind(name, memory, flops, bandwidth, op_overhead=overhead)
+        slowdown = r.positive(
+            table.get("busy_receive_slowdown", preset.busy_receive_slowdown if preset else 1.0),
+            f"{where}.busy_receive_slowdown",
+        )
+        if slowdown < 1.0:
+            raise r.error(
+                f"{where}.busy_receive_slowdown",
+                f"is {slowdown:g}; a transfer into a busy device is at most as fast as into a waiting one (>= 1)",
+            )
+        kinds[name] = DeviceKind(name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown)
     return kinds
 
 
@@ -330,6 +341,8 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
         lines += [f"peak_flops = {{ {flops} }}", f"mem_bandwidth = {kind.mem_bandwidth!r}"]
         if kind.op_overhead:
             lines.append(f"op_overhead = {kind.op_overhead!r}")
+        if kind.busy_receive_slowdown != 1.0:
+            lines.append(f"busy_receive_slowdown = {kind.busy_receive_slowdown!r}")
     lines += ["", "[fabric]", f"kind = {_toml_str(spec.fabric)}"]
     lines += [f"bandwidth = {spec.intra.bandwidth!r}", f"latency = {spec.intra.latency!r}"]
     lines += ["", "[network]", f"cards = {spec.cards}"]

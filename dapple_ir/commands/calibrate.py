@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s per rank{alone}, "
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
-        f"{intra.latency * 1e6:.0f} us; "
+        f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
         f"efficiency: {fitted} -> {args.output}",
         file=sys.stderr,
     )

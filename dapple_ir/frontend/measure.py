@@ -1,5 +1,6 @@
 """Measuring this machine for `dapple calibrate`: matmul FLOP/s, memory bandwidth, the cost of one op
-call, and the link between two CPU ranks (gloo between two processes).
+call, and the link between two CPU ranks (gloo between two processes), with how much slower a transfer
+moves into a rank that computes than into one that waits (`DeviceKind.busy_receive_slowdown`).
 
 On a CPU each device is a process with its share of the cores, and the ranks share the machine's
 caches and memory: with several ranks, what one rank gets is measured while neighbours do the same
@@ -8,6 +9,7 @@ work, beside the figures of one rank alone (which a profile, measured alone, is 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -45,6 +47,10 @@ _PING_BYTES, _BULK_BYTES = 4, 16 * 2**20
 #: was off by as much.
 _PINGS = 61
 _LINK_TIMEOUT_S = 120.0
+#: The busy-receiver measurement: a message of this size (a pipeline's activation, a few hundred KiB) posted
+#: before its receiver computes for `_BUSY_S`; `_BUSY_ROUNDS` rounds with the receiver waiting and as many with
+#: it computing, medians kept; the slowdown at most `_MAX_SLOWDOWN` (the transfer stopped while it computed).
+_BUSY_BYTES, _BUSY_S, _BUSY_ROUNDS, _MAX_SLOWDOWN = 256 * 2**10, 0.02, 15, 1000.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,10 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
         kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1) if shared else solo
     finally:
         torch.set_num_threads(threads)
-    return NodeMeasurement(kind, solo, count, measure_cpu_link() if shared else None)
+    if not shared:
+        return NodeMeasurement(kind, solo, count, None)
+    link, slowdown = measure_cpu_link()
+    return NodeMeasurement(dataclasses.replace(kind, busy_receive_slowdown=slowdown), solo, count, link)
 
 
 def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: int = 0) -> DeviceKind:
@@ -116,16 +125,21 @@ def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: in
     return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=max(overhead, fitted))
 
 
-def measure_cpu_link() -> Link:
-    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth.
+def measure_cpu_link() -> tuple[Link, float]:
+    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth, and the
+    busy receiver's slowdown (`DeviceKind.busy_receive_slowdown`).
 
-    Two fresh processes (torch's spawn) bounce a 4-byte and a 16 MiB tensor back and forth; every wait is
-    bounded, and a machine where they cannot meet keeps the default link with a note on stderr.
+    Two fresh processes (torch's spawn), each with half the cores, bounce a 4-byte and a 16 MiB tensor back and
+    forth. Then the sender sends `_BUSY_BYTES` and computes, while the receiver, its receive posted, either waits
+    (the transfer's time T) or first computes for D and then waits w: the transfer moved T - w while it computed,
+    so it moves D / (T - w) times slower then. Every wait is bounded, and a machine where the processes cannot
+    meet keeps the default link and no slowdown, with a note on stderr.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True) for r in range(2)]
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    procs = [ctx.Process(target=_link_worker, args=(r, port, results, threads), daemon=True) for r in range(2)]
     for proc in procs:
         proc.start()
     try:
@@ -139,10 +153,12 @@ def measure_cpu_link() -> Link:
     if not isinstance(found, tuple):
         why = found or "no answer in time"
         print(f"calibrate: no gloo timing between two processes ({why}); keeping the default link", file=sys.stderr)
-        return DEFAULT_LINKS["cpu"][0]
-    ping_s, bulk_s = found
+        return DEFAULT_LINKS["cpu"][0], 1.0
+    ping_s, bulk_s, idle_s, busy_s, waited_s = found
     latency = ping_s / 2
-    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
+    moved = idle_s - waited_s  # what of the transfer went through while the receiver computed
+    slowdown = busy_s / moved if moved > busy_s / _MAX_SLOWDOWN else _MAX_SLOWDOWN
+    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency), min(_MAX_SLOWDOWN, max(1.0, slowdown))
 
 
 def _free_port() -> int:
@@ -151,9 +167,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _link_worker(rank: int, port: int, results: Any) -> None:
-    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one)."""
+def _link_worker(rank: int, port: int, results: Any, threads: int) -> None:
+    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one, and from
+    rank 1's busy-receiver rounds the median transfer into a waiting receiver, compute time and wait after it)."""
     try:
+        torch.set_num_threads(threads)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
             timeout=datetime.timedelta(seconds=_LINK_TIMEOUT_S),
@@ -175,12 +193,61 @@ def _link_worker(rank: int, port: int, results: Any) -> None:
             return sorted(times[1:])[len(times[1:]) // 2]
 
         ping, bulk = round_trip(_PING_BYTES, _PINGS), round_trip(_BULK_BYTES, 7)
+        idle = _busy_receiver_rounds(rank, computes=False)
+        busy = _busy_receiver_rounds(rank, computes=True)
+        # Rank 1 timed the rounds; rank 0 reports.
+        timed = torch.tensor(
+            [_median([w for _, w in idle]), _median([d for d, _ in busy]), _median([w for _, w in busy])]
+        )
+        if rank == 1:
+            dist.send(timed, 0)
+        else:
+            dist.recv(timed, 1)
         dist.destroy_process_group()
         if rank == 0:
-            results.put((ping, bulk))
+            results.put((ping, bulk, *(float(x) for x in timed)))
     except Exception as exc:
         if rank == 0:
             results.put(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def _busy_receiver_rounds(rank: int, computes: bool) -> list[tuple[float, float]]:
+    """`_BUSY_ROUNDS` transfers of `_BUSY_BYTES` from rank 0, which computes after sending, to rank 1, which posts
+    its receive and, if it `computes`, computes for `_BUSY_S` before it waits. Rank 1 returns per round (seconds
+    it computed, seconds it then waited); rank 0 nothing. A 4-byte exchange starts each round on both ranks."""
+    buf, token = torch.zeros(_BUSY_BYTES // 4), torch.zeros(1)
+    a = torch.randn(256, 256)
+    rounds = []
+
+    def compute(seconds: float) -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, a)
+
+    for _ in range(_BUSY_ROUNDS):
+        if rank == 0:
+            dist.send(token, 1, tag=1)
+            dist.recv(token, 1, tag=1)
+            work = dist.isend(buf, 1, tag=2)
+            assert work is not None  # a member of the group always gets its request
+            compute(_BUSY_S)
+            work.wait()
+        else:
+            work = dist.irecv(buf, 0, tag=2)  # posted first, as a pipeline posts early
+            assert work is not None
+            dist.recv(token, 0, tag=1)
+            dist.send(token, 0, tag=1)
+            start = time.perf_counter()
+            if computes:
+                compute(_BUSY_S)
+            done = time.perf_counter()
+            work.wait()
+            rounds.append((done - start, time.perf_counter() - done))
+    return rounds
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def _tiny_step(device: Any) -> Callable[[], None]:

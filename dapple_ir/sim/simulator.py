@@ -26,6 +26,12 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   zero-byte send arrives when it issues (it still orders the two ranks). A recv waits for its own
   sender's data: the gradients of one value coming back from several consumer ranks are awaited
   each on its own.
+- a transfer into a device whose `busy_receive_slowdown` s is above 1 (a CPU host whose cores all
+  compute, where the transport's socket thread waits for a core) moves s times slower during the
+  receiver's compute instructions (forward, backward, optimizer step) between its start and its
+  `recv`: it lands when the link's time for it has gone by, counting each second the receiver computed
+  as 1/s (`_landing`). Measured (replayed) transfers keep their time. s = 1, the default and every GPU
+  preset's, leaves every transfer as above.
 - `recv` blocks the rank until the matching send's data has arrived.
 - `allreduce` starts when every member of its group has reached it. It is a ring over the members
   in device order: each of the n steps sends 2(n-1)/n of the gradient bytes from one member to the
