@@ -826,9 +826,11 @@ def _measured_cluster(mem_bandwidths: list[float], link: Link, slowdown: float =
     return ClusterSpec(kinds, 1, Link(math.inf, 0.0), link, name="measured")
 
 
-def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False) -> dict[str, Any]:
+def run_case(
+    cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False, calibrated: float = 1.0
+) -> dict[str, Any]:
     """Pairs of runs, ours then torch's (then, with `ablate`, ours without early receive posts and ours without
-    reused receive buffers), and the figures."""
+    reused receive buffers), and the figures; `calibrated` is `dapple calibrate`'s busy receiver's slowdown."""
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
     sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
@@ -841,7 +843,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
     ours, theirs = runs["ours"], runs["torch"]
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
-    waits = idle_vs_bubble(plan_dir, ours, cfg.warmup)
+    waits = idle_vs_bubble(plan_dir, ours, cfg.warmup, calibrated)
     waiting, simulated, sim_step = waits.measured, waits.simulated, waits.iteration_s
     result = {
         "cuts": cuts,
@@ -856,6 +858,7 @@ def run_case(cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool 
         "spread": waits.spread,
         "plain": waits.plain,
         "slowdown": waits.slowdown,
+        "calibrated": waits.calibrated,
         "cpu": waits.cpu,
         "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
@@ -900,12 +903,14 @@ class Waiting:
     """`replayed` with every transfer its measured time too (`with_transfers`)."""
     slowdown: float
     """The median over the runs of the fitted `busy_receive_slowdown`."""
+    calibrated: list[float]
+    """`simulated` with `dapple calibrate`'s slowdown in place of the fitted one."""
 
 
-def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int) -> Waiting:
+def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int, calibrated: float = 1.0) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     measured, simulated, replayed, spread, iterations, cpu, plain, reconstructed = [], [], [], [], [], [], [], []
-    slowdowns = []
+    slowdowns, by_calibrate = [], []
     for reports in runs:
         costs = rank_costs(reports, warmup)
         measured.append(waiting_shares(reports, warmup, costs))
@@ -913,7 +918,10 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         found = transfers(module, reports, warmup)
         link = fitted_link([(t.nbytes, t.seconds) for t in found if t.idle])
         slowdown = busy_receive_slowdown(found, link)
-        (bubble, iteration), (unslowed, _) = simulated_waiting(plan_dir, costs, [(link, slowdown), (link, 1.0)])
+        (bubble, iteration), (unslowed, _), (measured_slowdown, _) = simulated_waiting(
+            plan_dir, costs, [(link, slowdown), (link, 1.0), (link, calibrated)]
+        )
+        by_calibrate.append(measured_slowdown)
         simulated.append(bubble)
         plain.append(unslowed)
         slowdowns.append(slowdown)
@@ -932,6 +940,7 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         _by_rank(plain),
         _by_rank(reconstructed),
         median(slowdowns),
+        _by_rank(by_calibrate),
     )
 
 
@@ -1009,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
          "ours waiting % per rank", "simulated waiting % per rank", "worst gap vs simulated (points)",
          "worst gap vs simulated (% of simulated)", "simulated / measured step",
          "busy receiver's slowdown (fitted)", "simulated waiting % per rank, no slowdown",
-         "worst gap vs no slowdown (%)",
+         "worst gap vs no slowdown (%)", "worst gap vs calibrate's slowdown (%)",
          "simulated with spread waiting % per rank", "worst gap vs spread (points)",
          "worst gap vs spread (% of spread)", "replayed waiting % per rank",
          "worst gap vs replay (points)", "worst gap vs replay (% of replayed)",
@@ -1036,19 +1045,21 @@ def main(argv: list[str] | None = None) -> int:
         for k, cfg in enumerate(cases):
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
-                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2)
+                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=calibrated)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 27)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 28)
                 continue
             sim_gap, sim_rel = worst_gap(r["waiting"], r["simulated"])
             replay_gap, replay_rel = worst_gap(r["waiting"], r["replayed"])
             spread_gap, spread_rel = worst_gap(r["waiting"], r["spread"])
             plain_rel = worst_gap(r["waiting"], r["plain"])[1]
+            calibrated_rel = worst_gap(r["waiting"], r["calibrated"])[1]
             rebuilt_rel = worst_gap(r["waiting"], r["reconstructed"])[1]
             for name, rel in (
                 ("median-cost", sim_rel),
                 ("median-cost without the busy receivers' slowdown", plain_rel),
+                ("median-cost with calibrate's slowdown", calibrated_rel),
                 ("spread", spread_rel),
                 ("replay", replay_rel),
                 ("replay with measured transfers", rebuilt_rel),
@@ -1057,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
                 _pct(r["waiting"]), _pct(r["simulated"]), 100 * sim_gap, 100 * sim_rel, r["sim_over_measured"],
-                r["slowdown"], _pct(r["plain"]), 100 * plain_rel,
+                r["slowdown"], _pct(r["plain"]), 100 * plain_rel, 100 * calibrated_rel,
                 _pct(r["spread"]), 100 * spread_gap, 100 * spread_rel,
                 _pct(r["replayed"]), 100 * replay_gap, 100 * replay_rel,
                 _pct(r["reconstructed"]), 100 * rebuilt_rel, _pct(r["cpu"]),
@@ -1144,7 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
         "(`busy_receive_slowdown`) to the transfers that began while their receiver was busy: the slowdown at "
         "which the waits the model gives them add up to the measured ones; 1000 is the fit's ceiling (the "
         "transfer stops). 'no slowdown' is the median-cost simulation without it, as the bench predicted before; "
-        "the spread and the replay use it too.",
+        "'calibrate's slowdown' the median-cost simulation with the figure `dapple calibrate` measured (note "
+        "above) in place of the fit, a prediction whose slowdown no run's transfers informed; the spread and the "
+        "replay use the fit too.",
         "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
         "backward and optimizer step its own measured span plus the rank's work since its previous one, every "
         "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "
