@@ -707,15 +707,16 @@ def simulated_waiting(
 ) -> list[tuple[list[float], float]]:
     """Per (link, slowdown), the simulator's idle per rank and its iteration for the plan with what was measured:
     each stage's compute its median span times its rank's `work_factor` (so a rank's simulated work per step is its
-    measured busy time), each rank's optimizer step its measured median, every transfer that link, slowed that much
-    while its receiver is busy (`busy_receive_slowdown`). The costs are set up once for all the pairs."""
+    measured busy time), a zero-bubble stage's backward split between its input and weight passes as measured,
+    each rank's optimizer step its measured median, every transfer that link, slowed that much while its receiver
+    is busy (`busy_receive_slowdown`). The costs are set up once for all the pairs."""
     from dapple_ir.analysis.memory import batch_scale
     from dapple_ir.ir import InstrKind
     from dapple_ir.sim.simulator import simulate
 
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     scale = batch_scale(module)
-    fractions: list[float] = []
+    fractions: dict[str, float] = {}  # each zero-bubble stage's measured input-pass share of its backward
     for c in costs:
         for stage in {module.stage(stage) for _, stage in c.compute}:
             fwd, b_in, b_w, bwd = (
@@ -723,7 +724,7 @@ def simulated_waiting(
                 for kind in ("forward", "backward_input", "backward_weight", "backward")
             )
             if b_in + b_w > 0:
-                fractions.append(b_in / (b_in + b_w))
+                fractions[stage.name] = b_in / (b_in + b_w)
                 bwd = b_in + b_w
             # Spread the time over the stage's ops in proportion to their modelled cost.
             for attr, total in (("fwd_s", fwd), ("bwd_s", bwd)):
@@ -731,18 +732,17 @@ def simulated_waiting(
                 for op in stage.ops:
                     own = getattr(op.attrs, attr) or 0.0
                     setattr(op.attrs, attr, own * total / modelled if modelled > 0 else total / scale / len(stage.ops))
-    fraction = median(fractions) if fractions else 0.5
     # The simulator costs an optimizer step as bytes / memory bandwidth: a probe at 1 byte/s gives each rank's
     # bytes, and each rank gets its own device kind whose bandwidth turns them into the measured time.
     free = Link(math.inf, 0.0)  # the optimizer step's bytes do not depend on the link
-    probe = simulate(module, cluster=_measured_cluster([1.0] * len(costs), free), backward_input_fraction=fraction)
+    probe = simulate(module, cluster=_measured_cluster([1.0] * len(costs), free), backward_input_fraction=fractions)
     steps = [next(i for i, ins in enumerate(p.instrs) if ins.kind is InstrKind.OPTIMIZER_STEP) for p in module.programs]
     moved = [probe.ends[r][i] - probe.starts[r][i] for r, i in enumerate(steps)]
     bandwidths = [m / c.optimizer_s if c.optimizer_s > 0 < m else math.inf for m, c in zip(moved, costs, strict=True)]
     found = []
     for link, slowdown in links:
         cluster = _measured_cluster(bandwidths, link, slowdown)
-        result = simulate(module, cluster=cluster, backward_input_fraction=fraction)
+        result = simulate(module, cluster=cluster, backward_input_fraction=fractions)
         found.append((list(result.bubble_fraction), result.iteration_s))
     return found
 

@@ -237,10 +237,12 @@ def test_zb_h1_matches_zero_bubble_paper(stages: int, microbatches: int) -> None
 
     T_B is the input-gradient pass and T_W the weight-gradient pass; the paper's setting has
     T_F = T_B = T_W = T, so the bubble is (p - 1) T, a third of 1f1b's (p - 1)(T_F + T_B + T_W).
-    Here a stage's full backward is 2T split evenly (f = 0.5), and M >= p.
+    Here a stage's full backward is 2T split evenly (f = 0.5), the first stage's too (the paper's setting; our
+    runtime's first stage has no input pass, see the test below), and M >= p.
     """
     t = 1.0
-    result = simulate(schedule_module("zb-h1", stages, microbatches, fwd_s=t, bwd_s=2 * t))
+    module = schedule_module("zb-h1", stages, microbatches, fwd_s=t, bwd_s=2 * t)
+    result = simulate(module, backward_input_fraction={stage.name: 0.5 for stage in module.stages})
     t_f, t_b, t_w = t, t, t
     assert result.iteration_s == pytest.approx(microbatches * (t_f + t_b + t_w) + (stages - 1) * (t_f + t_b - t_w))
     assert critical_compute_s(result) == pytest.approx(result.iteration_s)
@@ -250,11 +252,24 @@ def test_zb_h1_matches_zero_bubble_paper(stages: int, microbatches: int) -> None
 
 
 def test_backward_input_fraction_splits_backward() -> None:
-    module = schedule_module("zb-h1", 1, 1, fwd_s=1.0, bwd_s=4.0)
-    result = simulate(module, backward_input_fraction=0.25)
-    times = {e.instr.kind: e.end_s - e.start_s for e in result.events()}
-    assert times[BI] == pytest.approx(1.0)
-    assert times[W] == pytest.approx(3.0)
+    """f of a stage's backward goes to its input pass, the rest to its weight pass; a first stage hands no
+    gradient back, so its input pass takes nothing (the runtime's has nothing to compute) unless named."""
+    module = schedule_module("zb-h1", 2, 1, fwd_s=1.0, bwd_s=4.0)
+    first, second = (stage.name for stage in module.stages)
+
+    def split(result: SimulationResult) -> dict[tuple[int, InstrKind], float]:
+        return {(e.rank, e.instr.kind): e.end_s - e.start_s for e in result.events() if e.instr.kind in (BI, W)}
+
+    assert split(simulate(module, backward_input_fraction=0.25)) == pytest.approx(
+        {(0, BI): 0.0, (0, W): 4.0, (1, BI): 1.0, (1, W): 3.0}
+    )
+    assert split(simulate(module, backward_input_fraction={first: 0.5})) == pytest.approx(
+        {(0, BI): 2.0, (0, W): 2.0, (1, BI): 2.0, (1, W): 2.0}
+    )
+    with pytest.raises(DappleError, match="names stage @nope"):
+        simulate(module, backward_input_fraction={"nope": 0.5})
+    with pytest.raises(DappleError, match=f"of @{second} must lie in"):
+        simulate(module, backward_input_fraction={second: 1.5})
 
 
 def test_microbatch_size_scales_compute_time() -> None:

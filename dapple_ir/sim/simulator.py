@@ -12,7 +12,10 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - a recomputing stage (`recompute` on the stage) reruns its forward before the backward: `backward`
   (or `backward_input` when split) takes the forward time on top;
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
-  the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value.
+  the remaining `1 - f`; `f = BACKWARD_INPUT_FRACTION` (0.5) unless the caller passes another value
+  (one for every stage, or one per stage name). A stage that hands no gradient back (the first: its
+  inputs are data, or whatever it receives needs none) has `f = 0` unless given by name: the runtime's
+  `backward_input` has nothing to compute there, and its `backward_weight` runs the whole backward.
 - `send` is an isend: its bytes start to flow over the path between the two devices
   (`dapple_ir.cluster.topology`) once the send has issued and the receiver has posted the matching
   receive, and arrive the path's latency after the last byte is through; the sender does not wait.
@@ -81,7 +84,7 @@ from dapple_ir.analysis.peak_memory import (
     replica_rows,
     transfer_bytes,
 )
-from dapple_ir.analysis.stage_graph import tied_params
+from dapple_ir.analysis.stage_graph import crossings, tied_params
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.cluster.toml_file import resolve_cluster
@@ -222,7 +225,7 @@ def simulate(
     module_or_path: Module | str | Path,
     *,
     cluster: ClusterSpec | str | None = None,
-    backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+    backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
     durations: Mapping[tuple[int, int], float] | None = None,
 ) -> SimulationResult:
     """Simulate one iteration of the plan's rank programs.
@@ -230,6 +233,9 @@ def simulate(
     `module_or_path`: a lowered module, an IR file, or a plan directory holding `plan.dapple`.
     `cluster`: a spec, a shorthand (`2x8xV100-16GB`) or TOML path; defaults to the module's
     `cluster` attribute, else ideal links (communication free).
+    `backward_input_fraction`: the share of a stage's backward its `backward_input` takes, for every stage that
+    hands a gradient back, or by stage name (a stage not named gets `BACKWARD_INPUT_FRACTION`, or 0 where it
+    hands none back).
     `durations`: seconds by (rank, instruction index) that replace the modelled time of those forward,
     backward (whole, input or weight) and optimizer-step instructions: a measured step replayed on the
     plan's dependencies (`bench/runtime_vs_torch_pipelining.py`). A send's entry is its transfer's time,
@@ -247,7 +253,7 @@ def simulate_each(
     durations: Iterable[Mapping[tuple[int, int], float]],
     *,
     cluster: ClusterSpec | str | None = None,
-    backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+    backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
 ) -> Iterator[SimulationResult]:
     """`simulate` once per mapping of `durations`, in order; what does not depend on them (the modelled costs,
     the routes, where each receive is posted) is worked out once (`dapple_ir.sim.spread` runs many)."""
@@ -257,15 +263,30 @@ def simulate_each(
             f"module @{module.name} has no rank programs to simulate; lower it first "
             "(pipeline 'schedule{kind=1f1b},lower-comm,insert-frees')"
         )
-    if not 0.0 <= backward_input_fraction <= 1.0:
-        raise DappleError(f"backward_input_fraction must lie in [0, 1], got {backward_input_fraction}")
+    fractions = _fractions(module, backward_input_fraction)
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
-    simulator = _Simulator(module, spec, backward_input_fraction)
+    simulator = _Simulator(module, spec, fractions)
     for replay in durations:
         for (rank, index), seconds in replay.items():
             if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
                 raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
         yield simulator.run(replay)
+
+
+def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage, float]:
+    """Each stage's `backward_input` share of its backward (see `simulate`)."""
+    named = dict(given) if isinstance(given, Mapping) else {}
+    default = BACKWARD_INPUT_FRACTION if isinstance(given, Mapping) else given
+    stages = {stage.name for stage in module.stages}
+    for name, f in [("", default), *named.items()]:
+        if name and name not in stages:
+            raise DappleError(f"backward_input_fraction names stage @{name}, which module @{module.name} has not")
+        if not 0.0 <= f <= 1.0:
+            raise DappleError(f"backward_input_fraction{f' of @{name}' if name else ''} must lie in [0, 1], got {f}")
+    # A gradient goes back for a value where a program sends it: `lower-comm` sends what the runtime computes.
+    sent = {i.value for p in module.programs for i in p.instrs if i.kind is InstrKind.SEND and i.grad}
+    hands_back = {c.consumer for c in crossings(module) if c.value in sent}
+    return {s: named.get(s.name, default if s in hands_back else 0.0) for s in module.stages}
 
 
 # ------------------------------------------------------------------------------ loading, cluster
@@ -318,7 +339,7 @@ class _Simulator:
         self,
         module: Module,
         cluster: ClusterSpec,
-        backward_input_fraction: float,
+        fractions: dict[Stage, float],
     ) -> None:
         self.module = module
         self.cluster = cluster
@@ -342,7 +363,7 @@ class _Simulator:
             for stage in module.stages:
                 key = (stage, *rows(stage))
                 if key not in durations:
-                    durations[key] = _durations(module, stage, key[2] - key[1], kind, backward_input_fraction)
+                    durations[key] = _durations(module, stage, key[2] - key[1], kind, fractions[stage])
                 fwd, bwd, bwd_input, bwd_weight = durations[key]
                 self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
                 self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight

@@ -55,7 +55,7 @@ def simulate_spread(
     cluster: ClusterSpec | str | None = None,
     draws: int = 31,
     seed: int = 0,
-    backward_input_fraction: float = BACKWARD_INPUT_FRACTION,
+    backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
 ) -> SpreadResult:
     """Simulate `draws` iterations, each (rank, instruction index) in `samples` taking one of its samples,
     drawn uniformly and independently (seeded: the same call gives the same result); other instructions keep
