@@ -914,7 +914,7 @@ class Waiting:
 def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int, calibrated: float = 1.0) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     measured, simulated, replayed, spread, iterations, cpu, plain, reconstructed = [], [], [], [], [], [], [], []
-    slowdowns, by_calibrate = [], []
+    slowdowns, with_calibrated = [], []
     for reports in runs:
         costs = rank_costs(reports, warmup)
         measured.append(waiting_shares(reports, warmup, costs))
@@ -922,10 +922,10 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         found = transfers(module, reports, warmup)
         link = fitted_link([(t.nbytes, t.seconds) for t in found if t.idle])
         slowdown = busy_receive_slowdown(found, link)
-        (bubble, iteration), (unslowed, _), (measured_slowdown, _) = simulated_waiting(
+        (bubble, iteration), (unslowed, _), (calibrated_bubble, _) = simulated_waiting(
             plan_dir, costs, [(link, slowdown), (link, 1.0), (link, calibrated)]
         )
-        by_calibrate.append(measured_slowdown)
+        with_calibrated.append(calibrated_bubble)
         simulated.append(bubble)
         plain.append(unslowed)
         slowdowns.append(slowdown)
@@ -944,7 +944,7 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         _by_rank(plain),
         _by_rank(reconstructed),
         median(slowdowns),
-        _by_rank(by_calibrate),
+        _by_rank(with_calibrated),
     )
 
 
@@ -1042,6 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
+    fitted: list[float] = []  # each row's busy receiver's slowdown
     within: dict[str, list[bool]] = {}
     # Each case's share of the budget is its share of the runs (an ablated case runs four sides per pair).
     weights = [2 + len(ABLATIONS) if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
@@ -1089,6 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
                     *[x for three in each for x in three], "yes" if same else "NO", r["pairs"],
                 )  # fmt: skip
             ratios.append(r["ratio"])
+            fitted.append(r["slowdown"])
             report.headlines.append(
                 f"{MODEL[cfg.size]} {cfg.procs} procs {cfg.schedule}: ours {r['ratio']:.2f}x the speed of "
                 "torch.distributed.pipelining"
@@ -1097,13 +1099,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(args.json)  # what is done so far survives a hard stop at run_all's limit
     if ratios:
         report.headlines.append(f"median speed-up {median(ratios):.2f}x, lowest {min(ratios):.2f}x")
-        slowdowns = [
-            float(row[table.columns.index("busy receiver's slowdown (fitted)")])
-            for row in table.rows
-            if isinstance(row[table.columns.index("busy receiver's slowdown (fitted)")], float)
-        ]
         report.headlines.append(
-            f"busy receiver's slowdown: fitted {min(slowdowns):.3g}-{max(slowdowns):.3g}x over the rows, "
+            f"busy receiver's slowdown: fitted {min(fitted):.3g}-{max(fitted):.3g}x over the rows, "
             f"`dapple calibrate`'s measurement {calibrated:.3g}x"
         )
         report.headlines.append(
