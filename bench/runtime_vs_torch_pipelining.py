@@ -60,7 +60,7 @@ sys.path.insert(0, str(BENCH))
 
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
-from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link  # noqa: E402
+from dapple_ir.cluster.spec import MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link  # noqa: E402
 from dapple_ir.ir.parser import parse_module  # noqa: E402
 
 SPEC = {
@@ -661,7 +661,7 @@ def busy_receive_slowdown(found: list[Transfer], link: Link) -> float:
     (`link`'s time for its bytes) while the receiver waits and `slowdown` times slower while it is busy, so the
     receiver, reaching its receive after `before_s`, waits `max(0, link time - idle - busy / slowdown)`. The fit is
     the slowdown at which those waits add up to the measured ones (zero where the data came first); at least 1,
-    at most `MAX_SLOWDOWN` (where even transfers that stop while the receiver is busy would wait less)."""
+    at most `MAX_BUSY_RECEIVE_SLOWDOWN` (where even transfers that stop while the receiver is busy would wait less)."""
     began_busy = [t for t in found if not t.idle and t.busy_s > 0]
     measured = sum(t.seconds - t.before_s for t in began_busy if t.landed)
 
@@ -672,17 +672,13 @@ def busy_receive_slowdown(found: list[Transfer], link: Link) -> float:
 
     if waits(1.0) >= measured:
         return 1.0
-    if waits(MAX_SLOWDOWN) <= measured:
-        return MAX_SLOWDOWN
-    low, high = 1.0, MAX_SLOWDOWN
+    if waits(MAX_BUSY_RECEIVE_SLOWDOWN) <= measured:
+        return MAX_BUSY_RECEIVE_SLOWDOWN
+    low, high = 1.0, MAX_BUSY_RECEIVE_SLOWDOWN
     for _ in range(60):
         mid = math.sqrt(low * high)
         low, high = (mid, high) if waits(mid) < measured else (low, mid)
     return math.sqrt(low * high)
-
-
-#: The largest `busy_receive_slowdown` the bench fits: a transfer that all but stops while its receiver is busy.
-MAX_SLOWDOWN = 1e3
 
 
 def fitted_link(samples: list[tuple[float, float]]) -> Link:

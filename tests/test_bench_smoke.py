@@ -349,7 +349,7 @@ def test_busy_receive_slowdown_fit_against_hand_arithmetic() -> None:
     assert rt.busy_receive_slowdown([a, b, c], link) == pytest.approx(4.0, rel=1e-9)
     # Half of A's lead spent waiting on something else (moving at full speed): 0.1 - 0.1 - 0.1 / s < 0.05 for any
     # s, so even a transfer that stops while its receiver computes waits less than measured: the fit's ceiling.
-    assert rt.busy_receive_slowdown([transfer(0.25, True, False, 0.2, 0.1), c], link) == rt.MAX_SLOWDOWN
+    assert rt.busy_receive_slowdown([transfer(0.25, True, False, 0.2, 0.1), c], link) == rt.MAX_BUSY_RECEIVE_SLOWDOWN
     # With B too, B's wait makes up the rest: max(0, 0.1 - 0.5 / s) = 0.05 at s = 10.
     assert rt.busy_receive_slowdown([transfer(0.25, True, False, 0.2, 0.1), b], link) == pytest.approx(10.0)
     # Nothing waited: the transfers are as fast into a busy receiver as into a waiting one.

@@ -51,6 +51,11 @@ class DeviceKind:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])
 
 
+#: The largest `DeviceKind.busy_receive_slowdown` that `dapple calibrate` and the runtime bench report: a transfer
+#: that all but stops while its receiver computes (any larger figure predicts the same waiting).
+MAX_BUSY_RECEIVE_SLOWDOWN = 1000.0
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """A point-to-point link: bandwidth in bytes/s and latency in seconds."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dapple_ir.cluster.roofline import line_fit
-from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind, Link
+from dapple_ir.cluster.spec import DEFAULT_LINKS, MAX_BUSY_RECEIVE_SLOWDOWN, DeviceKind, Link
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profiler import Timer
 
@@ -49,8 +49,8 @@ _PINGS = 61
 _LINK_TIMEOUT_S = 120.0
 #: The busy-receiver measurement: a message of this size (a pipeline's activation, a few hundred KiB) posted
 #: before its receiver computes for `_BUSY_S`; `_BUSY_ROUNDS` rounds with the receiver waiting and as many with
-#: it computing, medians kept; the slowdown at most `_MAX_SLOWDOWN` (the transfer stopped while it computed).
-_BUSY_BYTES, _BUSY_S, _BUSY_ROUNDS, _MAX_SLOWDOWN = 256 * 2**10, 0.02, 15, 1000.0
+#: it computing, medians kept; the slowdown at most `MAX_BUSY_RECEIVE_SLOWDOWN` (the transfer stopped meanwhile).
+_BUSY_BYTES, _BUSY_S, _BUSY_ROUNDS = 256 * 2**10, 0.02, 15
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,9 @@ def measure_cpu_link() -> tuple[Link, float]:
     ping_s, bulk_s, idle_s, busy_s, waited_s = found
     latency = ping_s / 2
     moved = idle_s - waited_s  # what of the transfer went through while the receiver computed
-    slowdown = busy_s / moved if moved > busy_s / _MAX_SLOWDOWN else _MAX_SLOWDOWN
-    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency), min(_MAX_SLOWDOWN, max(1.0, slowdown))
+    top = MAX_BUSY_RECEIVE_SLOWDOWN
+    slowdown = busy_s / moved if moved > busy_s / top else top
+    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency), min(top, max(1.0, slowdown))
 
 
 def _free_port() -> int:
