@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from statistics import median
 from typing import Any
 
 import torch
@@ -197,10 +198,10 @@ def _link_worker(rank: int, port: int, results: Any, threads: int) -> None:
         idle = _busy_receiver_rounds(rank, computes=False)
         busy = _busy_receiver_rounds(rank, computes=True)
         # Rank 1 timed the rounds; rank 0 reports.
-        timed = torch.tensor(
-            [_median([w for _, w in idle]), _median([d for d, _ in busy]), _median([w for _, w in busy])]
-        )
+        timed = torch.zeros(3)
         if rank == 1:
+            waits, computed = [w for _, w in busy], [d for d, _ in busy]
+            timed = torch.tensor([median(w for _, w in idle), median(computed), median(waits)])
             dist.send(timed, 0)
         else:
             dist.recv(timed, 1)
@@ -245,10 +246,6 @@ def _busy_receiver_rounds(rank: int, computes: bool) -> list[tuple[float, float]
             work.wait()
             rounds.append((done - start, time.perf_counter() - done))
     return rounds
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def _tiny_step(device: Any) -> Callable[[], None]:

@@ -277,12 +277,14 @@ def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage
     """Each stage's `backward_input` share of its backward (see `simulate`)."""
     named = dict(given) if isinstance(given, Mapping) else {}
     default = BACKWARD_INPUT_FRACTION if isinstance(given, Mapping) else given
+    if not 0.0 <= default <= 1.0:
+        raise DappleError(f"backward_input_fraction must lie in [0, 1], got {default}")
     stages = {stage.name for stage in module.stages}
-    for name, f in [("", default), *named.items()]:
-        if name and name not in stages:
+    for name, f in named.items():
+        if name not in stages:
             raise DappleError(f"backward_input_fraction names stage @{name}, which module @{module.name} has not")
         if not 0.0 <= f <= 1.0:
-            raise DappleError(f"backward_input_fraction{f' of @{name}' if name else ''} must lie in [0, 1], got {f}")
+            raise DappleError(f"backward_input_fraction of @{name} must lie in [0, 1], got {f}")
     # A gradient goes back for a value where a program sends it: `lower-comm` sends what the runtime computes.
     sent = {i.value for p in module.programs for i in p.instrs if i.kind is InstrKind.SEND and i.grad}
     hands_back = {c.consumer for c in crossings(module) if c.value in sent}
