@@ -73,11 +73,12 @@ SPEC = {
 MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT"}
 #: Each schedule compared, with its stages per rank.
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2}
-#: (size, processes, schedule) of the cases also run without early receive posts and without reused receive
-#: buffers (the ablation table).
+#: (size, processes, schedule) of the cases also run without early receive posts, without reused receive
+#: buffers and with the memory meter on every step (the ablation table).
 ABLATED = {("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
-#: The ablation's sides: ours without early receive posts; ours receiving into a new buffer every time.
-ABLATIONS = ("bare", "fresh")
+#: The ablation's sides: ours without early receive posts; ours receiving into a new buffer every time; ours
+#: counting the held bytes after every instruction of every step (`Runtime`'s `meter_steps`).
+ABLATIONS = ("bare", "fresh", "metered")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class Config:
     """False: the ablation's plan, whose rank files post no receive ahead of its `recv` (`no_early_posts`)."""
     reuse_buffers: bool = True
     """False: every receive into a new buffer (the worker's `--fresh-buffers`), for the ablation."""
+    meter_every_step: bool = False
+    """True: the memory meter on every step (the worker's `--meter-every-step`), for the ablation."""
 
 
 # ----------------------------------------------------------------------------- torch side (rank)
@@ -304,7 +307,12 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
             if side["name"] == "torch":
                 torch_rank(cfg, side["cuts"], out)
             else:
-                ablated = replace(cfg, early_posts=side["name"] != "bare", reuse_buffers=side["name"] != "fresh")
+                ablated = replace(
+                    cfg,
+                    early_posts=side["name"] != "bare",
+                    reuse_buffers=side["name"] != "fresh",
+                    meter_every_step=side["name"] == "metered",
+                )
                 dapple_rank(ablated, Path(side["plan"]), out)
 
 
@@ -327,6 +335,7 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
         run_dir=str(out_dir),
         device=cfg.device,
         reuse_buffers=cfg.reuse_buffers,
+        meter_every_step=cfg.meter_every_step,
     )
     # The very flags `dapple run` gives the worker it launches; the worker checks the rank files against codegen,
     # which must then also leave the posts out.
@@ -353,8 +362,8 @@ def launch_case(
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Run a case's pairs under one torchrun on 127.0.0.1, every side of a pair in the same rank processes (one
     start-up per case, not per run: it is 10-16 s of a 4-rank launch on 2 cores). `sides` by name: `ours`, `torch`,
-    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers). Per side, per
-    pair run, the rank reports in rank order."""
+    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers), `metered` (ours
+    with the memory meter on every step). Per side, per pair run, the rank reports in rank order."""
     out_dir = Path(tempfile.mkdtemp(prefix="case-", dir=work))
     payload = json.dumps(
         {
@@ -837,6 +846,7 @@ def run_case(
     if ablate:
         sides["bare"] = {"plan": str(plan_without_early_posts(plan_dir))}
         sides["fresh"] = {"plan": str(plan_dir)}
+        sides["metered"] = {"plan": str(plan_dir)}
     # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the case
     # runs fewer pairs, never none.
     runs = launch_case(cfg, sides, pairs, deadline, work)
@@ -1029,12 +1039,14 @@ def main(argv: list[str] | None = None) -> int:
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
-        "What early receive posts and reused receive buffers buy (ours with every change vs ours without one)",
+        "What early receive posts, reused receive buffers and a meter on two steps buy (ours with every change vs "
+        "ours without one)",
         ["model", "procs", "schedule", "M", "samples/s with all", "waiting % per rank with all",
          "samples/s without early posts", "speed-up from early posts (time without / with)",
          "waiting % per rank without early posts", "samples/s without reused buffers",
          "speed-up from reused buffers (time without / with)", "waiting % per rank without reused buffers",
-         "same step-0 loss", "pairs"],
+         "samples/s metering every step", "speed-up from metering two steps (time every / two)",
+         "waiting % per rank metering every step", "same step-0 loss", "pairs"],
     )  # fmt: skip
     report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
@@ -1113,7 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
         f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), 30 steps per run on the MLP "
         "(steps of 50-80 ms: fewer left its medians noisy), 8 on the GPT, the first 2 steps (1 with --quick) dropped; "
         "medians. A case is one torchrun launch: its rank processes run ours, then torch's (then "
-        "the ablation's: ours without early posts, ours without reused buffers), pair after pair, in the reverse "
+        "the ablation's: ours without early posts, ours without reused buffers, ours metering every step), pair "
+        "after pair, in the reverse "
         "order every other pair, each run with a "
         "rendezvous of its own.",
         "stage split: the one our planner chose with --stages forced (interleaved: V = 2 stages per rank, stage k "
@@ -1183,8 +1196,12 @@ def main(argv: list[str] | None = None) -> int:
         "with all = the plan as compiled, receive buffers reused; without early posts = the same plan.dapple with "
         "rank files generated as if `peak_memory.recv_posts` marked nothing (no `rt.post_recv`: each receive goes "
         "out with the sends just before it, at its `recv`); without reused buffers = the plan as compiled, every "
-        "receive into a new buffer (the worker's --fresh-buffers; `ReceiveBuffers`). All run inside each A/B pair "
-        "of the table above; a speed-up is the median over pairs of (step time without / with).",
+        "receive into a new buffer (the worker's --fresh-buffers; `ReceiveBuffers`); metering every step = the plan "
+        "as compiled, the CPU memory meter walking every held tensor after every instruction of every step (the "
+        "worker's --meter-every-step) where it now does so on the first two steps and reuses the second's figures "
+        "(`Runtime`'s `meter_steps`: the program holds the same bytes every step once the first has made the "
+        "gradients and the optimizer state). All run inside each A/B pair of the table above; a speed-up is the "
+        "median over pairs of (step time without / with).",
         "the other changes cannot be told apart on CPU/gloo, so they are not measured here: sends issued together "
         "(`Transport.exchange`) are one `batch_isend_irecv` group only on NCCL, on gloo a plain loop of isends "
         "either way; the single host read of the losses per step and the stream waits instead of host waits "

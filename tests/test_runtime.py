@@ -9,6 +9,9 @@ device with the same seed, data, microbatching and optimizer.
 from __future__ import annotations
 
 import json
+import threading
+import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,12 +20,15 @@ import torch
 from dapple_ir.backends.torch.codegen import emit_rank_programs
 from dapple_ir.backends.torch.launch import ATOL, RTOL, _cpu_wait, run
 from dapple_ir.backends.torch.reference import train_reference
+from dapple_ir.backends.torch.runtime import METERED_STEPS, Runtime
+from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
+from dapple_ir.backends.torch.worker import RunOptions, build_runtime, prepare_model, rank_train_step
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.ir import Stage, StageAttrs
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.structure import structure_hash
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.plan_dir import write_plan_json
+from dapple_ir.plan_dir import Plan, load_plan, write_plan_json
 from dapple_ir.sim.trace import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,6 +210,52 @@ def test_timeline_and_memory_are_measured(tmp_path: Path) -> None:
     param_bytes = sum(p.numel() * 4 for p in loaded.model.parameters())
     assert sum(result.peak_bytes) > 2 * param_bytes
     assert result.samples_per_s > 0
+
+
+def train_as_threads(plan: Plan, options: RunOptions) -> list[Runtime]:
+    """Every rank of `plan` as a thread of this process, `options.steps` steps; their runtimes, for inspection."""
+    prepared = prepare_model(plan)
+    hub = ThreadHub(plan.ranks)
+    cpu = torch.device("cpu")
+    runtimes = [build_runtime(plan, r, prepared, ThreadTransport(hub, r), options, cpu) for r in range(plan.ranks)]
+    errors: list[str] = []
+
+    def body(rank: int) -> None:
+        try:
+            for _ in range(options.steps):
+                runtimes[rank].run_step(rank_train_step(plan, rank))
+        except Exception:
+            errors.append(traceback.format_exc())
+            hub.fail(rank, "failed")
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(plan.ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
+    return runtimes
+
+
+def test_the_meter_counts_two_steps_and_every_later_step_holds_the_same(tmp_path: Path) -> None:
+    """The CPU meter walks every held tensor only in the first `METERED_STEPS` steps; later steps take the last
+    counted step's figure per instruction. Against a run that counts every step (the reference): the same curve,
+    step by step, and the same peak. zb-h1 (deferred weight passes), a recomputing stage and Adam (its state is
+    made by step 0's optimizer step, so steps 0 and 1 hold different bytes) over 5 steps."""
+    plan = load_plan(make_plan(tmp_path, MLP, stages=2, kind="zb-h1", optimizer="adam", lr=1e-3, recompute=(1,)))
+    options = RunOptions(steps=5, optimizer="adam", lr=1e-3, timeout=30, run_dir=str(tmp_path), device="cpu")
+    counted = train_as_threads(plan, replace(options, meter_every_step=True))
+    metered = train_as_threads(plan, options)
+    for rank, (every, first) in enumerate(zip(counted, metered, strict=True)):
+        assert every.meter_steps is None and first.meter_steps == METERED_STEPS
+        assert [held for _, held in first.memory] == [held for _, held in every.memory], rank
+        assert first.peak_bytes == every.peak_bytes > 0
+        per_step = len(every.memory) // 5
+        steps = [[held for _, held in every.memory[k * per_step : (k + 1) * per_step]] for k in range(5)]
+        assert steps[1] == steps[2] == steps[3] == steps[4], rank
+        # What makes the second counted step necessary: step 0 holds less (no optimizer state before its end).
+        assert steps[0] != steps[1], rank
 
 
 def test_cpu_wait_is_the_queued_share_of_the_timed_steps() -> None:

@@ -3,8 +3,6 @@ count for them, and that the runtime posts them exactly there (its post log) and
 
 from __future__ import annotations
 
-import threading
-import traceback
 from pathlib import Path
 
 import pytest
@@ -12,14 +10,14 @@ import torch
 
 from dapple_ir.analysis.lowering import early_post_points
 from dapple_ir.analysis.peak_memory import Sizes, _changes, memory_changes, program_peak, recv_posts, transfer_bytes
-from dapple_ir.backends.torch.transport import DistTransport, ThreadHub, ThreadTransport
-from dapple_ir.backends.torch.worker import RunOptions, build_runtime, prepare_model, rank_train_step
+from dapple_ir.backends.torch.transport import DistTransport
+from dapple_ir.backends.torch.worker import RunOptions
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module
 from dapple_ir.plan_dir import load_plan
 from dapple_ir.sim.simulator import ideal_cluster, simulate
 from tests.pipeline_fixtures import chain_module
 from tests.test_lowering import _run
-from tests.test_runtime import MLP, make_plan
+from tests.test_runtime import MLP, make_plan, train_as_threads
 from tests.test_transport_dist import run_two_ranks
 
 TIMEOUT = 30.0
@@ -132,26 +130,8 @@ def test_runtime_posts_each_receive_at_its_marked_point(tmp_path: Path) -> None:
     (the runtime's post log records the index of the next instruction), and every posted receive is received."""
     plan_dir = make_plan(tmp_path, MLP, stages=2, kind="1f1b", microbatches=4)
     plan = load_plan(plan_dir)
-    prepared = prepare_model(plan)
-    hub = ThreadHub(plan.ranks)
     options = RunOptions(steps=1, optimizer="sgd", lr=0.05, timeout=TIMEOUT, run_dir=str(tmp_path), device="cpu")
-    cpu = torch.device("cpu")
-    runtimes = [build_runtime(plan, r, prepared, ThreadTransport(hub, r), options, cpu) for r in range(plan.ranks)]
-    errors: list[str] = []
-
-    def body(rank: int) -> None:
-        try:
-            runtimes[rank].run_step(rank_train_step(plan, rank))
-        except Exception:
-            errors.append(traceback.format_exc())
-            hub.fail(rank, "failed")
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(plan.ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    runtimes = train_as_threads(plan, options)
     posted_somewhere = False
     for rank, rt in enumerate(runtimes):
         program = plan.module.programs[rank]

@@ -21,7 +21,10 @@ and allreduces order the stream rather than block the host.
 
 It measures as it goes: a span per instruction (the simulator's trace schema) and the bytes it
 holds after each instruction that can add to them (CPU: parameters, gradients, optimizer state, stored values and the
-tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak).
+tensors autograd saved for backward, each storage counted once; CUDA: the allocator's peak). On the CPU the
+count walks every tensor the rank holds, so it runs on the first `METERED_STEPS` steps of a run only: the
+program, its shapes and so what it holds after each instruction are the same every step once the first step
+has made the gradients and the optimizer state (`meter_steps`).
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ class StepData:
         return part.clone() if isinstance(part, torch.Tensor) else part
 
 
+#: Steps of a run whose held bytes the CPU meter counts after each instruction: the first makes the gradients and
+#: the optimizer state, the second is what every later step holds (`Runtime`'s `meter_steps`).
+METERED_STEPS = 2
+
 #: Instructions that only let go of memory (a send's payload stays with the transport until it completes):
 #: the meter skips them, so the peak is unchanged and the curve steps down at the next instruction.
 _RELEASING = frozenset({"send", "free"})
@@ -136,6 +143,7 @@ class Runtime:
         record_grads: bool = False,
         recompute: set[str] | None = None,
         rows: tuple[int, int] | None = None,
+        meter_steps: int | None = METERED_STEPS,
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -196,6 +204,12 @@ class Runtime:
         self._step_losses: list[tuple[str, int, torch.Tensor]] = []
         self._run_queue = RunQueueClock()
         """The thread's time waiting for a CPU, read around each instruction (`Span.queued_s`)."""
+        self.meter_steps = meter_steps
+        """CPU: the steps of this run (counted from its first) whose held bytes are counted after each instruction
+        (`held_bytes`); a later step takes the last counted step's figure at the same instruction. None: every step."""
+        self._steps_run = 0
+        self._held_at: dict[int, int] = {}
+        """The last counted step's held bytes after each instruction, by its index in the program."""
 
     # ------------------------------------------------------------------------------ the step loop
 
@@ -228,6 +242,12 @@ class Runtime:
             self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
         self.step_times[self.step] = (start, time.time())
         self.step += 1
+        self._steps_run += 1
+
+    @property
+    def metering(self) -> bool:
+        """Whether this step counts the bytes held after each instruction (CPU; `meter_steps`)."""
+        return self.meter_steps is None or self._steps_run < self.meter_steps
 
     def _check_losses(self) -> None:
         """Read this step's microbatch losses on the host, once the step is done, and refuse a non-finite one."""
@@ -313,7 +333,7 @@ class Runtime:
             rec.outputs[name] = value
         if sm.has_loss:
             rec.loss = self._scaled(results[-1])
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and self.metering:
             # The rerun's activations live only inside this backward: count them in the peak here.
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
@@ -522,9 +542,10 @@ class Runtime:
             # The allocator's peak is read once per step (run_step); here only the curve for the timeline.
             self.memory.append((end, torch.cuda.memory_allocated(self.device)))
         elif kind not in _RELEASING:
-            held = self.held_bytes()
-            self.peak_bytes = max(self.peak_bytes, held)
-            self.memory.append((end, held))
+            if self.metering or index not in self._held_at:
+                self._held_at[index] = self.held_bytes()
+                self.peak_bytes = max(self.peak_bytes, self._held_at[index])
+            self.memory.append((end, self._held_at[index]))
 
     def held_bytes(self) -> int:
         """Bytes of every tensor the runtime holds on the CPU, each storage counted once."""

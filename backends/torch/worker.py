@@ -32,7 +32,7 @@ import torch.distributed as dist
 from dapple_ir.backends.torch import checkpoint
 from dapple_ir.backends.torch.codegen import rank_sources
 from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
-from dapple_ir.backends.torch.runtime import DEFAULT_LR, OPTIMIZERS, Runtime, StepData
+from dapple_ir.backends.torch.runtime import DEFAULT_LR, METERED_STEPS, OPTIMIZERS, Runtime, StepData
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
 from dapple_ir.backends.torch.transport import DistTransport, Transport, TransportError
 from dapple_ir.errors import DappleError
@@ -63,6 +63,8 @@ class RunOptions:
     steps included) is a multiple of this, so a fault loses at most that many steps."""
     reuse_buffers: bool = True
     """Receive into buffers kept per shape and reused once free (`ReceiveBuffers`); False: a new one per receive."""
+    meter_every_step: bool = False
+    """CPU: count the held bytes after every instruction of every step, not only of the first `METERED_STEPS`."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -239,6 +241,7 @@ def build_runtime(
         record_grads=options.check,
         recompute={s.name for s in plan.module.stages if s.recompute},
         rows=rows,
+        meter_steps=None if options.meter_every_step else METERED_STEPS,
     )
 
 
@@ -506,6 +509,7 @@ def worker_flags(options: RunOptions) -> list[str]:
     flags += [f"--save-every={options.save_every}"] if options.save_every is not None else []
     flags += ["--check"] if options.check else []
     flags += [] if options.reuse_buffers else ["--fresh-buffers"]
+    flags += ["--meter-every-step"] if options.meter_every_step else []
     return flags
 
 
@@ -530,6 +534,11 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fresh-buffers", action="store_true", help="allocate every receive's buffer anew instead of reusing them"
     )
+    parser.add_argument(
+        "--meter-every-step",
+        action="store_true",
+        help="CPU: count the bytes held after every instruction of every step (default: the first two steps)",
+    )
     return parser
 
 
@@ -547,6 +556,7 @@ def options_from_args(args: argparse.Namespace, optimizer: str, lr: float, run_d
         check=args.check,
         save_every=args.save_every,
         reuse_buffers=not args.fresh_buffers,
+        meter_every_step=args.meter_every_step,
     )
 
 
