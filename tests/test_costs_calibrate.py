@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dapple_ir.cli import main
 from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind
@@ -93,3 +94,18 @@ def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str
     assert torch.get_num_threads() == threads
     err = capsys.readouterr().err
     assert "GFLOP/s per rank (" in err and " alone)" in err  # both figures, the shared one first
+
+
+def test_a_cpu_rank_gets_its_share_of_the_rate_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several CPU ranks, a rank's matmul rate is the rate alone times the median alone/shared ratio of
+    back-to-back rounds (`_shared_rate`), not a shared figure taken at another moment. Wired through: with the
+    ratio forced to 0.5 every dtype's rate is exactly half the solo one. And the ratio itself, with no neighbour
+    busy, compares like with like: near 1 (any CPU, any load: within 0.5-2)."""
+    from dapple_ir.frontend import measure
+
+    assert 0.5 < measure._shared_rate(torch.device("cpu"), "cpu", neighbours=0, rounds=3) < 2.0
+    monkeypatch.setattr(measure, "_shared_rate", lambda device, kind_name, neighbours: 0.5)
+    monkeypatch.setattr(measure, "measure_cpu_link", lambda: (DEFAULT_LINKS["cpu"][0], 1.0))
+    node = measure.measure_node("cpu", 2)
+    assert node.kind.peak_flops == {k: v * 0.5 for k, v in node.solo.peak_flops.items()}
+    assert node.kind.peak_flops  # there was a rate to share

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,24 @@ def test_profile_rejects_devices_it_cannot_use(tmp_path: Path, capsys: pytest.Ca
         assert "no CUDA device" in capsys.readouterr().err
     assert main(["profile", "profile:/nowhere/graph.txt", "-o", out]) == 2
     assert "imported profile" in capsys.readouterr().err
+
+
+def test_the_whole_step_is_timed_at_its_median_and_an_op_at_its_fastest() -> None:
+    """`Timer` with `typical` (the whole step, `step_s`) keeps the median of its measurements; without, the fastest.
+    Five calls that sleep 10, 50, 20, 30 and 40 ms (each long enough to be one measurement) after a probe call:
+    median 30 ms, fastest 10 ms. Sleeps overrun, never underrun: the bounds leave room above only."""
+    from dapple_ir.frontend.profiler import Timer
+
+    def sleeper() -> Callable[[], None]:
+        lengths = iter([0.01, 0.01, 0.05, 0.02, 0.03, 0.04])  # the first is the probe that sizes a measurement
+
+        def call() -> None:
+            time.sleep(next(lengths))
+
+        return call
+
+    cpu = torch.device("cpu")
+    typical = Timer(cpu, repeats=5, warmup=0, typical=True).time(sleeper())
+    fastest = Timer(cpu, repeats=5, warmup=0).time(sleeper())
+    assert 0.030 <= typical < 0.040
+    assert 0.010 <= fastest < 0.020

@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="measure each op's forward and backward time on a device",
         description=(
             "Build the model with real weights, capture it at the microbatch size and time every op forward and "
-            "backward on real tensors (warm-up, then the fastest of --repeats). The JSON it writes is what "
+            "backward on real tensors (warm-up, then the fastest of --repeats), and the whole step (the median of "
+            "3 x --repeats: a training step runs at the machine's typical speed, and calibrate --fit scales the "
+            "op times to this level). The JSON it writes is what "
             "annotate-cost{source=profile.json} reads. Results are cached under $DAPPLE_IR_CACHE "
             "(default ~/.cache/dapple-ir), keyed by the model's structure, the device, the microbatch and the "
             "torch version, so a second run is instant."
@@ -29,7 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--microbatch", type=int, help="samples per measured call (default: the example inputs' batch)")
-    p.add_argument("--repeats", type=int, default=5, help="measurements per op; the fastest counts (default: 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="measurements per op; the fastest counts (default: 5; the whole step gets 3x as many, their median)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before measuring (default: 2)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 times most steadily on a busy machine)")
     p.add_argument("--method", default="auto", choices=("auto", "fx", "export"), help="capture method")

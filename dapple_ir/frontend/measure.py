@@ -5,6 +5,10 @@ moves into a rank that computes than into one that waits (`DeviceKind.busy_recei
 On a CPU each device is a process with its share of the cores, and the ranks share the machine's
 caches and memory: with several ranks, what one rank gets is measured while neighbours do the same
 work, beside the figures of one rank alone (which a profile, measured alone, is fitted against).
+A rank's matmul rate is the rate alone times the median over `_SHARED_ROUNDS` rounds of (alone /
+shared) time, each round timing both back to back (`_shared_rate`): a prediction scales the profile
+by that ratio, and two figures taken seconds apart on a shared machine put its drift into it (per rank
+87-133 GFLOP/s against 114-147 alone, ratios 0.72-1.16, over seven calibrations on one 2-core VM).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dapple_ir.cluster.spec import DEFAULT_LINKS, MAX_BUSY_RECEIVE_SLOWDOWN, Dev
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profiler import Timer
 
+#: Rounds of the alone-then-shared matmul timing whose median ratio gives a CPU rank its share (`_shared_rate`).
+_SHARED_ROUNDS = 7
 #: Matmul edge and bytes copied per device type: large enough to reach the steady rate, small enough
 #: to finish in a second or two.
 _MATMUL_N = {"cpu": 1024, "cuda": 8192}
@@ -84,6 +90,9 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
     try:
         solo = measure_device(torch.device(device), kind_name, count)
         kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1) if shared else solo
+        if shared:
+            share = _shared_rate(torch.device(device), kind_name, count - 1)
+            kind = dataclasses.replace(kind, peak_flops={k: v * share for k, v in solo.peak_flops.items()})
     finally:
         torch.set_num_threads(threads)
     if not shared:
@@ -271,6 +280,23 @@ def _fixed_per_call(device: Any, kind_name: str, timer: Timer) -> float:
     points = [(float(b), timer.time(partial(step, torch.randn(b, width, device=device)))) for b in batches]
     intercept, _slope = line_fit(points)
     return max(0.0, intercept / (2 * (_TINY_DEPTH + 1)))
+
+
+def _shared_rate(device: Any, kind_name: str, neighbours: int, rounds: int = _SHARED_ROUNDS) -> float:
+    """The share of its matmul rate alone that a rank keeps while `neighbours` threads do the same work: the median
+    over `rounds` of (time alone / time shared), each round timing the two back to back so that the machine's drift
+    between them is small."""
+    timer = Timer(device, repeats=3, warmup=1)
+    n = _MATMUL_N[kind_name]
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    ratios = []
+    for _ in range(rounds):
+        alone = timer.time(lambda: torch.mm(a, b))
+        with _busy(neighbours, lambda _k: torch.mm(a, b)):
+            together = timer.time(lambda: torch.mm(a, b))
+        ratios.append(alone / together)
+    return median(ratios)
 
 
 @contextmanager

@@ -8,6 +8,14 @@ of its outputs with respect to its floating inputs and parameters (a fixed graph
 `retain_graph`). Each figure is the fastest of `repeats` measurements (the least disturbed); one measurement repeats the
 call until it lasts about a millisecond, so microsecond ops are not lost in the timer's noise.
 
+The whole step (`step_s`: one forward and backward of the graph, no op timed apart) is the level
+`dapple calibrate --fit` scales the op times to, and so what a prediction of a training step rests
+on. It is the median of `STEP_REPEATS_FACTOR` x `repeats` measurements, not the fastest: a training
+step runs at the machine's typical speed, not its best. On a shared 2-core VM the two differ by a
+third (MLP of bench/bench_models.py at microbatch 32: fastest 5.5 ms, median 7.3-7.8 ms, and 8.1 ms
+per microbatch in training), which had every prediction of a CPU step that much too low. On a quiet
+machine (a GPU) the two agree.
+
 Activation bytes come from the capture's estimate (saved tensors on meta, see `dapple_ir.frontend.flops`).
 Results are cached under `$DAPPLE_IR_CACHE` (default `~/.cache/dapple-ir`), keyed by the structure
 hash of the captured IR, the device, the microbatch, the repeats and the torch version, so that a
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +45,10 @@ from dapple_ir.ir.structure import structure_hash
 
 FORMAT = "dapple-ir-profile"
 VERSION = 1
+#: The whole step's measurements per op measurement (`step_s`): its median needs more than a fastest does.
+STEP_REPEATS_FACTOR = 3
+#: What `step_s` is, in the cache key: profiles cached when it was the fastest measurement are not reused.
+_STEP_STATISTIC = "step median"
 #: Shortest stretch of repeated calls one measurement times (the timer's resolution is ~1 µs).
 _MIN_MEASURE_S = 1e-3
 _MAX_INNER = 1000
@@ -89,7 +102,7 @@ def profile_spec(
 
 
 def cache_key(module: Module, device: str, repeats: int) -> str:
-    parts = [structure_hash(module), device, str(module.attrs.batch), str(repeats), torch.__version__]
+    parts = [structure_hash(module), device, str(module.attrs.batch), str(repeats), torch.__version__, _STEP_STATISTIC]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -159,15 +172,17 @@ def profile_captured(
 
 def _step_s(gm: Any, inputs: list[Any], timer: Timer) -> float:
     """One whole forward and backward of the graph, no op timed on its own: the level the op times
-    (each measured apart, with its own call and synchronisation costs) are scaled to by `calibrate --fit`."""
+    (each measured apart, with its own call and synchronisation costs) are scaled to by `calibrate --fit`.
+    The median of `STEP_REPEATS_FACTOR` times as many measurements as an op gets (the module docstring says why)."""
 
     def step() -> None:
         outs = [t for t in _tensors(gm(*inputs)) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
+    typical = Timer(timer.device, timer.repeats * STEP_REPEATS_FACTOR, timer.warmup, typical=True)
     with torch.enable_grad():
-        seconds = timer.time(step)
+        seconds = typical.time(step)
     gm.zero_grad(set_to_none=True)
     return seconds
 
@@ -245,12 +260,13 @@ def _backward_s(gm: Any, node: Any, args: Any, kwargs: Any, timer: Timer) -> flo
 
 
 class Timer:
-    """Fastest of `repeats` measurements, each long enough for the timer to resolve."""
+    """Fastest of `repeats` measurements, each long enough for the timer to resolve; with `typical`, their median."""
 
-    def __init__(self, device: Any, repeats: int, warmup: int) -> None:
+    def __init__(self, device: Any, repeats: int, warmup: int, *, typical: bool = False) -> None:
         self.device = device
         self.repeats = repeats
         self.warmup = warmup
+        self.typical = typical
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -272,6 +288,8 @@ class Timer:
                 fn()
             self.sync()
             samples.append((time.perf_counter() - start) / inner)
+        if self.typical:
+            return statistics.median(samples)
         # The minimum: the least disturbed run, which matters on a shared machine.
         return min(samples)
 
@@ -306,7 +324,8 @@ def write_profile(result: dict[str, Any], path: str) -> None:
 def direct_step_s(
     spec: str, *, microbatch: int | None = None, repeats: int = 5, warmup: int = 2, threads: int | None = None
 ) -> float:
-    """Seconds (fastest of `repeats`) of one whole forward + loss + backward: the reference timing."""
+    """Seconds of one whole forward + loss + backward, the median of `STEP_REPEATS_FACTOR` x `repeats` measurements
+    (as the profile's `step_s`): the reference timing."""
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model_spec(spec, device="cpu")
@@ -321,4 +340,4 @@ def direct_step_s(
         loss = loss["loss"] if isinstance(loss, dict) else loss
         loss.backward()
 
-    return Timer(torch.device("cpu"), repeats, warmup).time(step)
+    return Timer(torch.device("cpu"), repeats * STEP_REPEATS_FACTOR, warmup, typical=True).time(step)
