@@ -104,6 +104,8 @@ def memory_row(schedule: str, m: int, base, model_hash: str) -> str:
     plan = work / f"mem-{schedule}-{m}"
     module = copy.deepcopy(base)
     module.programs = []
+    # The split was planned for M = 16: the module's batch attributes must describe this row's (as bench/memory.py).
+    module.attrs.microbatches, module.attrs.global_batch = m, 32 * m
     lower = f"schedule{{kind={schedule},microbatches={m}}},lower-comm,insert-frees,verify"
     result = dapple_ir.compile(module, cluster=str(module.attrs.cluster), global_batch=32 * m, pipeline=lower,
                                optimizer="sgd", out_dir=plan)

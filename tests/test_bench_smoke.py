@@ -383,3 +383,20 @@ def test_runtime_bench_replays_a_timeline_made_with_a_busy_receivers_slowdown(tm
     plain = rt.replayed_waiting(module, steps, link)
     assert all(p <= s + 1e-12 for p, s in zip(plain, sim.bubble_fraction, strict=True))
     assert plain != pytest.approx(list(sim.bubble_fraction), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_device_check_dry_run_on_cpu_passes_every_step() -> None:
+    """bench/device_check.sh is what a lent GPU machine runs, once, with no second try: its CPU dry run must pass
+    every step it can run here (its memory rows for M = 4 once failed to verify, unseen until a dry run)."""
+    env = {**os.environ, "DEVICE_CHECK_DEVICE": "cpu", "PY": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(BENCH / "device_check.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("runtime --check", "memory", "compile"))]
+    assert len(rows) == 6, proc.stdout
+    assert not [row for row in rows if "FAILED" in row], proc.stdout
+    assert "PASS" in rows[0]
+    # Every memory row's measured peak is the IR's prediction (+0 % on every rank).
+    assert all(row.count("(+0%)") == 2 for row in rows if row.startswith("memory")), proc.stdout
