@@ -13,7 +13,7 @@ The whole step (`step_s`: one forward and backward of the graph, no op timed apa
 on. It is the median of `STEP_REPEATS_FACTOR` x `repeats` measurements, not the fastest: a training
 step runs at the machine's typical speed, not its best. On a shared 2-core VM the two differ by a
 third (MLP of bench/bench_models.py at microbatch 32: fastest 5.5 ms, median 7.3-7.8 ms, and 8.1 ms
-per microbatch in training), which had every prediction of a CPU step that much too low. On a quiet
+per microbatch in training): a prediction built on the fastest is that much too low. On a quiet
 machine (a GPU) the two agree.
 
 Activation bytes come from the capture's estimate (saved tensors on meta, see `dapple_ir.frontend.flops`).
