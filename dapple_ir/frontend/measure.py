@@ -89,10 +89,11 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
     shared = kind_name == "cpu" and count > 1
     try:
         solo = measure_device(torch.device(device), kind_name, count)
-        kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1) if shared else solo
+        kind = solo
         if shared:
             share = _shared_rate(torch.device(device), kind_name, count - 1)
-            kind = dataclasses.replace(kind, peak_flops={k: v * share for k, v in solo.peak_flops.items()})
+            flops = {k: v * share for k, v in solo.peak_flops.items()}
+            kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1, flops=flops)
     finally:
         torch.set_num_threads(threads)
     if not shared:
@@ -101,21 +102,23 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
     return NodeMeasurement(dataclasses.replace(kind, busy_receive_slowdown=slowdown), solo, count, link)
 
 
-def measure_device(device: Any, kind_name: str, devices: int = 1, neighbours: int = 0) -> DeviceKind:
+def measure_device(
+    device: Any, kind_name: str, devices: int = 1, neighbours: int = 0, flops: dict[str, float] | None = None
+) -> DeviceKind:
     """Peak f32 matmul FLOP/s and copy bandwidth of `device`, measured; a CPU's memory shared by `devices`.
 
-    With `neighbours`, that many threads run the same kind of work while each figure is taken.
+    With `neighbours`, that many threads run the same kind of work while each figure is taken. With `flops`, the
+    matmul rates are those (a shared CPU rank's: `_shared_rate`) and only the other figures are measured.
     """
     timer = Timer(device, repeats=3, warmup=1)
-    n = _MATMUL_N[kind_name]
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    with _busy(neighbours, lambda _k: torch.mm(a, b)):
-        flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
-    if kind_name == "cuda":
-        for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
-            ah, bh = a.to(dtype), b.to(dtype)
-            flops[name] = 2 * n**3 / timer.time(partial(torch.mm, ah, bh))
+    if flops is None:
+        n, a, b = _matmul_operands(device, kind_name)
+        with _busy(neighbours, lambda _k: torch.mm(a, b)):
+            flops = {"f32": 2 * n**3 / timer.time(lambda: torch.mm(a, b))}
+        if kind_name == "cuda":
+            for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+                ah, bh = a.to(dtype), b.to(dtype)
+                flops[name] = 2 * n**3 / timer.time(partial(torch.mm, ah, bh))
     count = _COPY_BYTES[kind_name] // 4
     src = torch.empty(count, device=device).uniform_()
     dst = torch.empty_like(src)
@@ -287,9 +290,7 @@ def _shared_rate(device: Any, kind_name: str, neighbours: int, rounds: int = _SH
     over `rounds` of (time alone / time shared), each round timing the two back to back so that the machine's drift
     between them is small."""
     timer = Timer(device, repeats=3, warmup=1)
-    n = _MATMUL_N[kind_name]
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+    _, a, b = _matmul_operands(device, kind_name)
     ratios = []
     for _ in range(rounds):
         alone = timer.time(lambda: torch.mm(a, b))
@@ -297,6 +298,12 @@ def _shared_rate(device: Any, kind_name: str, neighbours: int, rounds: int = _SH
             together = timer.time(lambda: torch.mm(a, b))
         ratios.append(alone / together)
     return median(ratios)
+
+
+def _matmul_operands(device: Any, kind_name: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The edge and two random square operands of the matmul whose rate stands for the device's peak."""
+    n = _MATMUL_N[kind_name]
+    return n, torch.randn(n, n, device=device), torch.randn(n, n, device=device)
 
 
 @contextmanager

@@ -180,9 +180,8 @@ def _step_s(gm: Any, inputs: list[Any], timer: Timer) -> float:
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-    typical = Timer(timer.device, timer.repeats * STEP_REPEATS_FACTOR, timer.warmup, typical=True)
     with torch.enable_grad():
-        seconds = typical.time(step)
+        seconds = step_timer(timer.device, timer.repeats, timer.warmup).time(step)
     gm.zero_grad(set_to_none=True)
     return seconds
 
@@ -294,6 +293,11 @@ class Timer:
         return min(samples)
 
 
+def step_timer(device: Any, repeats: int, warmup: int) -> Timer:
+    """How a whole step is timed: the median of `STEP_REPEATS_FACTOR` x `repeats` measurements (module docstring)."""
+    return Timer(device, repeats * STEP_REPEATS_FACTOR, warmup, typical=True)
+
+
 class _ProgressBar:
     """`profile [#######.....] 12/40 fc2` on one line of stderr."""
 
@@ -340,4 +344,4 @@ def direct_step_s(
         loss = loss["loss"] if isinstance(loss, dict) else loss
         loss.backward()
 
-    return Timer(torch.device("cpu"), repeats * STEP_REPEATS_FACTOR, warmup, typical=True).time(step)
+    return step_timer(torch.device("cpu"), repeats, warmup).time(step)
