@@ -59,6 +59,19 @@ def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> f
     return float(dapple_ir.simulate(out).iteration_s)
 
 
+def split_free_s(plan_dir: Path, cluster: Path) -> float:
+    """The plan's simulated iteration on `cluster` with its split backward priced free (as before the simulator
+    knew `split_backward_overhead`)."""
+    import dataclasses
+
+    import dapple_ir
+    from dapple_ir.cluster.toml_file import load_cluster_toml
+
+    spec = load_cluster_toml(str(cluster))
+    free = tuple(dataclasses.replace(k, split_backward_overhead=0.0) for k in spec.node_kinds)
+    return float(dapple_ir.simulate(plan_dir, cluster=dataclasses.replace(spec, node_kinds=free)).iteration_s)
+
+
 def measure(plan_dir: Path, steps: int, global_batch: int) -> float:
     import dapple_ir
 
@@ -99,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(args.json)
             return 0
         predicted: dict[int, float] = {}
+        free_s = 0.0
         ranks: dict[int, int] = {}
         failures: dict[int, str] = {}
         for i, plan in enumerate(plans):
             try:
                 predicted[i] = compile_plan(spec, cluster, plan, work / f"plan{i}")
+                if plan["schedule"] == "zb-h1":
+                    free_s = split_free_s(work / f"plan{i}", cluster)
                 ranks[i] = int(json.loads((work / f"plan{i}" / "plan.json").read_text())["ranks"])
             except Exception as exc:
                 failures[i] = unavailable(str(exc).splitlines()[0][:160])
@@ -133,6 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         f"measured = global batch / samples/s of `dapple run` (torchrun, gloo), {steps} steps, median of {rounds} "
         "interleaved round(s).",
     ]
+    two = {plan["schedule"]: i for i, plan in enumerate(plans) if plan["stages"] == 2 and measured.get(i)}
+    if "1f1b" in two and "zb-h1" in two:
+        zb, base = two["zb-h1"], two["1f1b"]
+        guessed, found = predicted[zb] / predicted[base], median(measured[zb]) / median(measured[base])
+        report.headlines.append(
+            f"zb-h1 against 1f1b on 2 stages: predicted {100 * (guessed - 1):+.1f}%, measured "
+            f"{100 * (found - 1):+.1f}% ({'the same side' if (guessed > 1) == (found > 1) else 'opposite sides'}); "
+            f"with its split backward priced free the prediction would be {100 * (free_s / predicted[base] - 1):+.1f}%"
+        )
+        table.notes.append(
+            "zb-h1's predicted iteration prices its split backward at calibrate's `split_backward_overhead` per "
+            f"weight op; priced free it would be {free_s:.4f} s."
+        )
     if errors:
         worst = max(errors)
         report.headlines.append(

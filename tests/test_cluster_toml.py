@@ -138,7 +138,7 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     spec = resolve_cluster(shorthand)
     path = _write(tmp_path, cluster_to_toml(spec))
     again = load_cluster_toml(path)
-    assert again.node_kinds == spec.node_kinds  # the cpu preset's per-op overhead included
+    assert again.node_kinds == spec.node_kinds  # the cpu preset's per-op and split-backward overheads included
     # A calibrated CPU host's busy-receiver slowdown is written and read back too.
     busy = dataclasses.replace(
         spec, node_kinds=tuple(dataclasses.replace(k, busy_receive_slowdown=37.5) for k in spec.node_kinds)
@@ -168,6 +168,10 @@ _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
         (
             'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nbusy_receive_slowdown = 0.5\n',
             "device_kinds.x.busy_receive_slowdown",
+        ),
+        (
+            'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nsplit_backward_overhead = -1e-4\n',
+            "device_kinds.x.split_backward_overhead",
         ),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
         ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     # with idle cores it may well be 1), and the file carries it.
     assert 1.0 <= cpu.busy_receive_slowdown <= 1000.0
     assert (cpu.busy_receive_slowdown != 1.0) == ("busy_receive_slowdown" in out.read_text())
+    # And what a split backward costs beyond a whole one per weight op (zero where it costs nothing).
+    assert 0.0 <= cpu.split_backward_overhead < 0.1
+    assert (cpu.split_backward_overhead != 0.0) == ("split_backward_overhead" in out.read_text())
+
+
+def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`measure_split_overhead` times the runtime's `input_pass` and `weight_passes`, not a copy of them: with 2 ms
+    planted in each weight pass (one per Linear of its chain) it reports at least those 2 ms per weight op, less
+    what noise in the two backwards it subtracts can take off (bounded well below 0.5 ms here)."""
+    from dapple_ir.backends.torch import split_backward
+
+    original = split_backward.weight_passes
+
+    def slow(deferred: list[split_backward.WeightPass]) -> None:
+        for wp in deferred:
+            if wp.roots and wp.params:
+                time.sleep(2e-3)
+        original(deferred)
+
+    monkeypatch.setattr(split_backward, "weight_passes", slow)
+    assert split_backward.measure_split_overhead("cpu", rounds=10) > 1.5e-3
 
 
 def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:

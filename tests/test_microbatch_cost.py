@@ -8,6 +8,7 @@ and a calibration that recovers a fixed cost planted in synthetic timings.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,6 +90,34 @@ def test_estimate_and_simulator_both_keep_the_fixed_part(tmp_path: Path, microba
     assert len(calls) == 8
     fixed_sum = sum(min(t, call) for t in calls)
     assert compute - linear == pytest.approx((microbatches - 8) * fixed_sum, rel=1e-9, abs=1e-15)
+
+
+def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path) -> None:
+    """Under zb-h1 the cost model adds `split_backward_overhead` c per weight op to the backward of every stage but
+    the first (`cost_model.split_s`). Reference: the same estimate with c = 0 and each such layer's backward c per
+    weight op longer in its fixed part (which does not scale with the microbatch). Other schedules pay nothing."""
+    module = _chain(tmp_path)
+    plain = resolve_cluster("2xV100-16GB")
+    c = 1e-3
+    priced = dataclasses.replace(
+        plain, node_kinds=tuple(dataclasses.replace(k, split_backward_overhead=c) for k in plain.node_kinds)
+    )
+    problem, bare = problem_from_module(module, priced, 64), problem_from_module(module, plain, 64)
+    assert problem.weight_ops == [1, 1, 1, 1]  # each imported layer has parameter bytes
+    stages = (StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,)))
+    extra = [0.0, 0.0, c, c]  # the second stage's two layers
+    by_hand = dataclasses.replace(
+        bare,
+        bwd_s=[t + x for t, x in zip(bare.bwd_s, extra, strict=True)],
+        bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, extra, strict=True)],
+    )
+    for m in (1, 4, 16):
+        zb = Candidate(stages, m, schedule="zb-h1")
+        assert evaluate(problem, zb).iteration_s == pytest.approx(evaluate(by_hand, zb).iteration_s, rel=1e-12)
+        assert evaluate(problem, zb).iteration_s > evaluate(bare, zb).iteration_s
+        for schedule in ("1f1b", "gpipe"):
+            cand = Candidate(stages, m, schedule=schedule)
+            assert evaluate(problem, cand).iteration_s == pytest.approx(evaluate(bare, cand).iteration_s, rel=1e-12)
 
 
 def test_the_plan_carries_costs_at_its_microbatch_so_simulate_agrees(tmp_path: Path) -> None:

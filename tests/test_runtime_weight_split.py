@@ -16,9 +16,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from dapple_ir.analysis.peak_memory import weight_ops
 from dapple_ir.backends.torch.launch import run
-from dapple_ir.backends.torch.runtime import _capture, _weight_split
-from tests.test_runtime import MLP, make_plan
+from dapple_ir.backends.torch.runtime import Runtime
+from dapple_ir.backends.torch.split_backward import capture, weight_split
+from dapple_ir.plan_dir import load_plan
+from tests.test_runtime import GPT, MLP, make_plan
 
 torch.manual_seed(0)
 
@@ -79,7 +82,7 @@ def test_split_backward_equals_one_backward(name: str) -> None:
     leaf = x.clone().requires_grad_(True)
     out = model(leaf)
     params = list(model.parameters())
-    split = _weight_split([out], [g], [leaf], params)
+    split = weight_split([out], [g], [leaf], params)
     if name == "shared-weight":
         assert split is None  # the runtime then falls back to one pass from the outputs
         return
@@ -89,7 +92,7 @@ def test_split_backward_equals_one_backward(name: str) -> None:
     # Every parameter belongs to exactly one group.
     assert sorted(id(p) for _, ps in groups for p in ps) == sorted(id(p) for p in params)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    hooks = [node.register_prehook(_capture(captured, node)) for node, _ in groups]
+    hooks = [node.register_prehook(capture(captured, node)) for node, _ in groups]
     (input_grad,) = torch.autograd.grad([out], [leaf], [g], retain_graph=True)
     for h in hooks:
         h.remove()
@@ -145,3 +148,32 @@ def test_a_run_leaves_no_graph_behind(tmp_path: Path, kind: str) -> None:
     after_one = _graph_tensors()
     run(plan, steps=3, transport="threads", timeout=30)
     assert _graph_tensors() == after_one
+
+
+@pytest.mark.parametrize(("spec", "stages"), [(MLP, 3), (GPT, 2), (GPT, 4)])
+def test_the_weight_passes_are_the_ones_the_cost_model_charges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, stages: int
+) -> None:
+    """The simulator and the planner charge a split backward one autograd pass per `peak_memory.weight_ops` op
+    (`DeviceKind.split_backward_overhead`), and none on a stage that hands no gradient back. Reference: the passes
+    the runtime's `backward_weight` really runs, counted on a zb-h1 run of the MLP and of the GPT (embeddings,
+    layer norms, attention, a tied head): the first stage's one pass is its whole backward (no extra pass), every
+    other stage runs exactly one pass per weight op."""
+    plan_dir = make_plan(tmp_path, spec, stages=stages, kind="zb-h1")
+    module = load_plan(plan_dir).module
+    ran: dict[str, set[int]] = {}
+    original = Runtime.backward_weight
+
+    def counting(self: Runtime, stage: str, mb: int) -> None:
+        deferred = self._record(stage, mb).deferred or []
+        ran.setdefault(stage, set()).add(sum(1 for wp in deferred if wp.roots and wp.params))
+        original(self, stage, mb)
+
+    monkeypatch.setattr(Runtime, "backward_weight", counting)
+    run(plan_dir, steps=1, transport="threads", timeout=60)
+    charged = {s.name: len(weight_ops(module, s)) for s in module.stages}
+    first = module.stages[0].name
+    assert charged[first] == 0 and ran[first] == {1}
+    assert {name: ran[name] for name in charged if name != first} == {
+        name: {n} for name, n in charged.items() if name != first
+    }

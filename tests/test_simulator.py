@@ -6,6 +6,7 @@ so these tests do not depend on the schedule and lowering passes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -270,6 +271,37 @@ def test_backward_input_fraction_splits_backward() -> None:
         simulate(module, backward_input_fraction={"nope": 0.5})
     with pytest.raises(DappleError, match=f"of @{second} must lie in"):
         simulate(module, backward_input_fraction={second: 1.5})
+
+
+def test_a_split_backward_pays_one_pass_per_weight_op() -> None:
+    """`DeviceKind.split_backward_overhead` c: each stage that hands a gradient back pays c per weight op
+    (`peak_memory.weight_ops`: here the one op reading a parameter) in its weight pass; the first stage, whose one
+    weight pass is its whole backward, and a stage without parameters pay nothing, and so does an unsplit
+    schedule. By hand: f = 0.5 of a 4 s backward, so the weight pass is 2 s + c."""
+    c = 0.25
+    free = Link(math.inf, 0.0)
+    kind = DeviceKind("split", math.inf, {"f32": math.inf}, math.inf, split_backward_overhead=c)
+    priced = ClusterSpec((kind,), 3, free, free)
+
+    def passes(module: Module, cluster: ClusterSpec | None) -> dict[tuple[int, InstrKind], float]:
+        result = simulate(module, cluster=cluster)
+        return {(e.rank, e.instr.kind): e.end_s - e.start_s for e in result.events() if e.instr.kind in (BI, W)}
+
+    with_params = schedule_module("zb-h1", 3, 4, fwd_s=1.0, bwd_s=4.0, param_elems=8)
+    assert passes(with_params, priced) == pytest.approx(
+        {(0, BI): 0.0, (0, W): 4.0, (1, BI): 2.0, (1, W): 2.0 + c, (2, BI): 2.0, (2, W): 2.0 + c}
+    )
+    assert passes(with_params, None) == pytest.approx(
+        {(0, BI): 0.0, (0, W): 4.0, (1, BI): 2.0, (1, W): 2.0, (2, BI): 2.0, (2, W): 2.0}
+    )
+    no_params = schedule_module("zb-h1", 3, 4, fwd_s=1.0, bwd_s=4.0)
+    assert simulate(no_params, cluster=priced).iteration_s == pytest.approx(simulate(no_params).iteration_s)
+    unsplit = schedule_module("1f1b", 3, 4, fwd_s=1.0, bwd_s=4.0, param_elems=8)
+    assert simulate(unsplit, cluster=priced).iteration_s == pytest.approx(simulate(unsplit).iteration_s)
+    # Here c hides in the bubbles (24 s either way); at c = 2 s the middle rank's own work, 4 x (1 + 2 + 2 + 2) s,
+    # is past the 24 s.
+    dear = ClusterSpec((dataclasses.replace(kind, split_backward_overhead=2.0),), 3, free, free)
+    assert simulate(with_params, cluster=dear).iteration_s >= 4 * (1.0 + 2.0 + 2.0 + 2.0) > 24.0
 
 
 def test_microbatch_size_scales_compute_time() -> None:

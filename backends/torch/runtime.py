@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
 
 from dapple_ir.backends.torch.data import microbatch
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.run_queue import RunQueueClock
+from dapple_ir.backends.torch.split_backward import WeightPass, input_pass, weight_passes
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.transport import Pending, PendingRecv, Transport, TransportError
 from dapple_ir.errors import DappleError
@@ -74,19 +74,10 @@ class _Record:
     loss: torch.Tensor | None = None
     saved: dict[int, int] = field(default_factory=dict)
     """Bytes of the tensors autograd saved, by storage address."""
-    deferred: list[_WeightPass] | None = None
+    deferred: list[WeightPass] | None = None
     """What `backward_input` left for `backward_weight`: the passes that produce the parameter gradients."""
     args: list[Any] | None = None
     """A recomputing stage's forward inputs (leaves included), kept to rerun it with grad before its backward."""
-
-
-@dataclass
-class _WeightPass:
-    """One autograd pass of `backward_weight`: from `roots` (tensors or gradient edges) with `grads` to `params`."""
-
-    roots: list[Any]
-    grads: list[torch.Tensor | None]
-    params: list[torch.Tensor]
 
 
 @dataclass
@@ -355,45 +346,16 @@ class Runtime:
             outs, grads = self._output_grads(stage, mb, rec)
             params = [p for p in self._stage(stage).params.values() if p.requires_grad]
             leaves = list(rec.leaves.items())
-            if not outs or not leaves:
-                # Nothing to hand back (a first stage): the weight pass is the whole backward.
-                rec.deferred = [_WeightPass(list(outs), list(grads), params)] if outs and params else []
-                return
-            split = _weight_split(outs, grads, [leaf for _, leaf in leaves], params)
-            captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-            hooks = [node.register_prehook(_capture(captured, node)) for node, _ in split[1]] if split else []
-            try:
-                found = torch.autograd.grad(
-                    outs, [leaf for _, leaf in leaves], grads, retain_graph=True, allow_unused=True
-                )
-            finally:
-                for hook in hooks:
-                    hook.remove()
+            found, rec.deferred = input_pass(list(outs), list(grads), [leaf for _, leaf in leaves], params)
             for (name, leaf), g in zip(leaves, found, strict=True):
                 self._add_grad(name, mb, g if g is not None else torch.zeros_like(leaf))
-            if split is None:
-                # A parameter reached along two branches: one pass from the outputs (it recomputes the
-                # input-gradient chain, but counts every parameter once).
-                rec.deferred = [_WeightPass(list(outs), list(grads), params)]
-                return
-            detached, groups = split
-            rec.deferred = [detached]
-            for node, node_params in groups:
-                at = captured.get(node, ())
-                edges = [(GradientEdge(node, i), g) for i, g in enumerate(at) if g is not None]
-                if edges:
-                    rec.deferred.append(_WeightPass([e for e, _ in edges], [g for _, g in edges], node_params))
 
     def backward_weight(self, stage: str, mb: int) -> None:
         with self._instr("backward_weight", stage, mb, None):
             rec = self._record(stage, mb)
             if rec.deferred is None:
                 raise DappleError(f"backward_weight @{stage} mb = {mb} comes before its backward_input")
-            passes = [wp for wp in rec.deferred if wp.roots and wp.params]
-            for k, wp in enumerate(passes):
-                # Only the parameters accumulate: the input gradients were taken by backward_input. The
-                # last pass lets autograd free the graph's saved tensors at once, not when Python drops it.
-                torch.autograd.backward(wp.roots, wp.grads, retain_graph=k < len(passes) - 1, inputs=wp.params)
+            weight_passes(rec.deferred)
             self._release(stage, mb, rec)
 
     def send(
@@ -757,61 +719,6 @@ class Runtime:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-
-
-def _weight_split(
-    outs: list[torch.Tensor], grads: list[torch.Tensor | None], leaves: list[torch.Tensor], params: list[torch.Tensor]
-) -> tuple[_WeightPass, list[tuple[Node, list[torch.Tensor]]]] | None:
-    """How `backward_weight` reaches the parameters without redoing `backward_input`'s work.
-
-    The input pass runs the autograd nodes that lead to a stage input (`leaves`). Each of them whose
-    other branches lead to parameters becomes a group: the gradient flowing into the node is captured
-    during the input pass, and the weight pass restarts from that node's gradient edges towards those
-    parameters only, so it runs the parameter branches and nothing else. Outputs that do not depend
-    on any input form one more pass of their own. None when a parameter is reached from two places
-    (a weight used twice, say): separate passes would then miss or double its gradient.
-    """
-    by_id = {id(p): p for p in params}
-    leaf_ids = {id(t) for t in leaves}
-    reaches_leaf: dict[Node, bool] = {}
-    below: dict[Node, frozenset[int]] = {}  # ids of the parameters in `by_id` a node's gradient reaches
-    stack: list[tuple[Node, bool]] = [(o.grad_fn, False) for o in outs if o.grad_fn is not None]
-    while stack:  # iterative post-order: stage graphs can be deeper than Python's recursion limit
-        node, expanded = stack.pop()
-        if node in below:
-            continue
-        children = [c for c, _ in node.next_functions if c is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in below)
-            continue
-        variable = getattr(node, "variable", None)
-        own = id(variable) if variable is not None else None
-        reaches_leaf[node] = own in leaf_ids or any(reaches_leaf[c] for c in children)
-        below[node] = frozenset({own} if own in by_id else ()).union(*(below[c] for c in children))
-    groups: list[tuple[Node, frozenset[int]]] = []
-    for node, on_input_path in reaches_leaf.items():
-        off_path = [c for c, _ in node.next_functions if c is not None and not reaches_leaf[c]]
-        off = frozenset().union(*(below[c] for c in off_path))
-        if on_input_path and off:
-            groups.append((node, off))
-    # Outputs whose gradient never reaches a stage input: their whole backward is weight work.
-    detached = [(o, g) for o, g in zip(outs, grads, strict=True) if o.grad_fn and not reaches_leaf[o.grad_fn]]
-    detached_params = frozenset().union(*(below[o.grad_fn] for o, _ in detached if o.grad_fn))
-    counted = [detached_params, *(ps for _, ps in groups)]
-    if sum(len(ps) for ps in counted) != len(frozenset().union(*counted)):
-        return None
-    whole = _WeightPass([o for o, _ in detached], [g for _, g in detached], [by_id[i] for i in detached_params])
-    return whole, [(node, [by_id[i] for i in ps]) for node, ps in groups]
-
-
-def _capture(into: dict[Node, tuple[torch.Tensor | None, ...]], node: Node) -> Callable[..., None]:
-    """A pre-hook that keeps the gradient flowing into `node` (the input pass's by-product the weight pass needs)."""
-
-    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-        into[node] = grad_outputs
-
-    return hook
 
 
 def _describe(kind: str, stage: str | None, mb: int | None, peer: int | None) -> str:

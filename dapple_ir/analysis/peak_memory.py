@@ -66,22 +66,35 @@ def weight_pass_bytes(module: Module, stage: Stage) -> float:
     """Bytes a split backward keeps from `backward_input` to `backward_weight`, for one microbatch.
 
     The input pass stops where each parameter's branch leaves the path back to the stage's inputs; the
-    gradient flowing into that op (the size of its output) waits there for the weight pass. A stage
-    none of whose inputs come from another stage hands no gradient back: its weight pass is its whole
+    gradient flowing into that op (the size of its output, `weight_ops`) waits there for the weight pass. A
+    stage none of whose inputs come from another stage hands no gradient back: its weight pass is its whole
     backward, and it keeps nothing extra.
     """
+    return sum(transfer_bytes(module, op) for op in weight_ops(module, stage))
+
+
+def weight_ops(module: Module, stage: Stage) -> list[Op]:
+    """The ops of `stage` whose parameters a split backward reaches by a weight pass of their own
+    (`param_ops`). Empty where the stage hands no gradient back (none of its floating inputs comes from
+    another stage): its one weight pass is its whole backward."""
     ops = set(stage.ops)
     outside = (OpKind.INPUT, OpKind.GET_ATTR)
     if not any(v not in ops and v.kind not in outside and _floating(v) for op in stage.ops for v in op.operands):
-        return 0.0
+        return []
+    return param_ops(module, stage.ops)
+
+
+def param_ops(module: Module, ops: list[Op]) -> list[Op]:
+    """The ops among `ops` that read a trainable parameter, directly or through a `get_attr` (an imported
+    profile's op with `param_bytes`, too)."""
     trainable = {p.name for p in module.params if not p.attrs.buffer}
-    weight_reads = {op for op in stage.ops if op.kind is OpKind.GET_ATTR and trainable & set(op.attrs.params or ())}
-    total = 0.0
-    for op in stage.ops:
+    weight_reads = {op for op in ops if op.kind is OpKind.GET_ATTR and trainable & set(op.attrs.params or ())}
+    found = []
+    for op in ops:
         reads = bool(trainable & set(op.attrs.params or ())) or (op.attrs.param_bytes or 0.0) > 0
         if op.kind is not OpKind.GET_ATTR and (reads or any(v in weight_reads for v in op.operands)):
-            total += transfer_bytes(module, op)
-    return total
+            found.append(op)
+    return found
 
 
 def loaded_bytes(module: Module, stage: Stage) -> float:

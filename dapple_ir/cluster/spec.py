@@ -47,6 +47,14 @@ class DeviceKind:
     the bytes in. The simulator slows a transfer only during its receiver's compute instructions
     (`dapple_ir.sim.simulator`)."""
 
+    split_backward_overhead: float = 0.0
+    """Fixed seconds a split backward (zb-h1's `backward_input` then `backward_weight`) costs on top of the whole
+    backward, per op whose parameters branch off the path to the stage's inputs: the weight work runs one autograd
+    pass for each such op (restarting from the gradient the input pass captured there), and the input pass walks
+    the graph to find them. A stage that hands no gradient back runs its whole backward as one weight pass and pays
+    none of it. `dapple calibrate` measures it with the runtime's own split (`split_backward.measure_split_overhead`);
+    0 on the GPU presets, whose host issues those passes ahead of the device's kernels."""
+
     def flops(self, dtype: str = "f32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])
 
@@ -92,8 +100,9 @@ PRESETS: dict[str, DeviceKind] = {
     ),
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
-    # dispatch and autograd) on the 2-core dev VM when idle. Calibrate your machine for its own.
-    "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9, op_overhead=10e-6),
+    # dispatch and autograd) on the 2-core dev VM when idle, and 106-178 us per weight op for a
+    # split backward (`split_backward_overhead`). Calibrate your machine for its own.
+    "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9, op_overhead=10e-6, split_backward_overhead=140e-6),
 }
 
 #: The fabrics a node may have (see the module docstring).

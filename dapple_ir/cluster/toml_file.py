@@ -17,6 +17,7 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     op_overhead = 5e-6              # seconds per op call (launch), added to each roofline time
     busy_receive_slowdown = 1.0     # a transfer into the device moves this much slower while it computes
                                     # (1: own hardware for it; above 1 on a CPU host whose cores all compute)
+    split_backward_overhead = 0.0   # seconds a split (zb-h1) backward adds per op with parameters
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -69,7 +70,15 @@ _TOP_KEYS = {
     "network",
     "efficiency",
 }
-_KIND_KEYS = {"base", "memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead", "busy_receive_slowdown"}
+_KIND_KEYS = {
+    "base",
+    "memory_bytes",
+    "peak_flops",
+    "mem_bandwidth",
+    "op_overhead",
+    "busy_receive_slowdown",
+    "split_backward_overhead",
+}
 _LINK_KEYS = {"bandwidth", "latency"}
 _FABRIC_KEYS = {"kind", "bandwidth", "latency"}
 _NETWORK_KEYS = {"cards", "bandwidth", "latency", "card_devices"}
@@ -264,7 +273,15 @@ def _device_kinds(r: _Reader, tables: dict[str, Any]) -> dict[str, DeviceKind]:
                 f"{where}.busy_receive_slowdown",
                 f"is {slowdown:g}; a transfer into a busy device is at most as fast as into a waiting one (>= 1)",
             )
-        kinds[name] = DeviceKind(name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown)
+        split = r.positive(
+            table.get("split_backward_overhead", preset.split_backward_overhead if preset else 0.0),
+            f"{where}.split_backward_overhead",
+            allow_zero=True,
+        )
+        kinds[name] = DeviceKind(
+            name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown,
+            split_backward_overhead=split,
+        )  # fmt: skip
     return kinds
 
 
@@ -343,6 +360,8 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
             lines.append(f"op_overhead = {kind.op_overhead!r}")
         if kind.busy_receive_slowdown != 1.0:
             lines.append(f"busy_receive_slowdown = {kind.busy_receive_slowdown!r}")
+        if kind.split_backward_overhead:
+            lines.append(f"split_backward_overhead = {kind.split_backward_overhead!r}")
     lines += ["", "[fabric]", f"kind = {_toml_str(spec.fabric)}"]
     lines += [f"bandwidth = {spec.intra.bandwidth!r}", f"latency = {spec.intra.latency!r}"]
     lines += ["", "[network]", f"cards = {spec.cards}"]

@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     # The measuring needs torch, which a command loads only when it runs.
+    from dapple_ir.backends.torch.split_backward import measure_split_overhead
     from dapple_ir.frontend.measure import measure_node
 
     if args.nodes < 1:
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         # A busy machine can measure its own link below the default between nodes; a link to another
         # node is never faster than one inside this node, so the cluster file stays consistent.
         inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
+    # Timed with the runtime's own split of a backward.
+    split = measure_split_overhead(args.device, devices)
+    kind = dataclasses.replace(kind, split_backward_overhead=split)
+    solo = dataclasses.replace(solo, split_backward_overhead=split)
     if args.fit and len(args.fit) > 1:
         # Measured in the model's own ops rather than in a loop of tiny ones: it replaces the tiny-op figure.
         fixed = fit_fixed_s(args.fit)
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s per rank{alone}, "
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
+        f"{kind.split_backward_overhead * 1e6:.0f} us per weight op of a split backward, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
         f"efficiency: {fitted} -> {args.output}",

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.analysis.peak_memory import param_ops
 from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
 from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
@@ -121,6 +122,9 @@ class Problem:
     unsliceable: frozenset[int] = frozenset()
     """Cuts (after layer k) that carry a value depending on the data without the batch in dimension 0
     (a flattened [b * s, d]): a stage on either side of one cannot split (`lower-comm` could not slice it)."""
+    weight_ops: list[int] = field(default_factory=list)
+    """Per layer, its ops that read trainable parameters (`peak_memory.param_ops`): under zb-h1 each costs a
+    stage that hands gradients back one more autograd pass (`DeviceKind.split_backward_overhead`). Empty: none."""
     tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
     reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
@@ -141,6 +145,7 @@ class Problem:
             sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
         ]
         self._models = list(models)
+        self.pw = [0, *accumulate(self.weight_ops or [0] * len(self.fwd_s))]
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -283,6 +288,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
             sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
         ],
         roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
+        weight_ops=[len(param_ops(module, layer.ops)) for layer in module.layers],
         tied=_tied_layers(module),
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),
@@ -570,6 +576,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
         bwd = pb[st.hi] - pb[st.lo]
         if cand.recomputes(s):
             bwd += fwd  # the forward reruns before the backward
+        if cand.schedule == "zb-h1" and s > 0:
+            bwd += split_s(problem, st)
         per_replica = m if cand.splits(s) else -(-m // st.replicas)
         busy = per_replica * (fwd + bwd)
         c = 0.0
@@ -602,6 +610,14 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     return Estimate(
         max(g + tail, floor), g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)), floor, name, seconds
     )
+
+
+def split_s(problem: Problem, st: StageChoice) -> float:
+    """What splitting stage `st`'s backward into an input and a weight pass (zb-h1) adds to it: one autograd pass
+    per weight op (`Problem.weight_ops`) at its slowest device's `split_backward_overhead`. The first stage hands
+    no gradient back and runs its backward whole: the caller leaves it out."""
+    per_op = max(problem.cluster.device(d).split_backward_overhead for d in st.devices)
+    return per_op * (problem.pw[st.hi] - problem.pw[st.lo]) if per_op else 0.0
 
 
 def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:

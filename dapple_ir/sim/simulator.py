@@ -16,6 +16,9 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   (one for every stage, or one per stage name). A stage that hands no gradient back (the first: its
   inputs are data, or whatever it receives needs none) has `f = 0` unless given by name: the runtime's
   `backward_input` has nothing to compute there, and its `backward_weight` runs the whole backward.
+  The split is not free: `backward_weight` also takes the device kind's `split_backward_overhead` per op
+  whose parameters get a weight pass of their own (`peak_memory.weight_ops`; none on a stage that hands
+  no gradient back), so the two passes cost more than the whole backward where the host pays per pass.
 - `send` is an isend: its bytes start to flow over the path between the two devices
   (`dapple_ir.cluster.topology`) once the send has issued and the receiver has posted the matching
   receive, and arrive the path's latency after the last byte is through; the sender does not wait.
@@ -83,6 +86,7 @@ from dapple_ir.analysis.peak_memory import (
     recv_posts,
     replica_rows,
     transfer_bytes,
+    weight_ops,
 )
 from dapple_ir.analysis.stage_graph import crossings, tied_params
 from dapple_ir.cluster.roofline import rescaled_s
@@ -356,16 +360,17 @@ class _Simulator:
         self.bwd: list[dict[Stage, float]] = []
         self.bwd_input: list[dict[Stage, float]] = []
         self.bwd_weight: list[dict[Stage, float]] = []
-        durations: dict[tuple[Stage, int, int], tuple[float, float, float, float]] = {}
+        durations: dict[tuple[Stage, int, int, str], tuple[float, float, float, float]] = {}
         for rank, program in enumerate(module.programs):
             kind = cluster.device(self.devices[rank])
             rows = replica_rows(module, program.attrs.replica or 0)
             for table in (self.fwd, self.bwd, self.bwd_input, self.bwd_weight):
                 table.append({})
             for stage in module.stages:
-                key = (stage, *rows(stage))
+                lo, hi = rows(stage)
+                key = (stage, lo, hi, kind.name)
                 if key not in durations:
-                    durations[key] = _durations(module, stage, key[2] - key[1], kind, fractions[stage])
+                    durations[key] = _durations(module, stage, hi - lo, kind, fractions[stage])
                 fwd, bwd, bwd_input, bwd_weight = durations[key]
                 self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
                 self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
@@ -795,7 +800,8 @@ def _durations(
 
     The op times are at `cost_batch` samples, scaled to the microbatch b; a split replica's `rows` < b
     keep each op call's fixed part (`roofline.rescaled_s`). A recomputing stage reruns its forward right
-    before the backward (or its input pass)."""
+    before the backward (or its input pass). The weight pass carries the split's fixed price
+    (`DeviceKind.split_backward_overhead` per `peak_memory.weight_ops`)."""
     scale = memory.batch_scale(module)
     b = module.attrs.microbatch_size or rows
 
@@ -806,7 +812,9 @@ def _durations(
     bwd = sum(at_rows((op.attrs.bwd_s or 0.0) * scale) for op in stage.ops)
     rerun = fwd if stage.recompute else 0.0
     f = backward_input_fraction
-    return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f)
+    # The split's own price: one more autograd pass per weight op (none where the stage hands nothing back).
+    split = len(weight_ops(module, stage)) * kind.split_backward_overhead if kind.split_backward_overhead else 0.0
+    return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f) + split
 
 
 def _landing(began: float, work: float, busy: list[tuple[float, float]], slowdown: float) -> float:
