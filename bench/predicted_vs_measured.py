@@ -61,14 +61,16 @@ def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> f
 
 def split_free_s(plan_dir: Path, cluster: Path) -> float:
     """The plan's simulated iteration on `cluster` with its split backward priced free (as before the simulator
-    knew `split_backward_overhead`)."""
+    knew `DeviceKind.split_s`)."""
     import dataclasses
 
     import dapple_ir
     from dapple_ir.cluster.toml_file import load_cluster_toml
 
     spec = load_cluster_toml(str(cluster))
-    free = tuple(dataclasses.replace(k, split_backward_overhead=0.0) for k in spec.node_kinds)
+    free = tuple(
+        dataclasses.replace(k, split_backward_overhead=0.0, split_backward_per_byte=0.0) for k in spec.node_kinds
+    )
     return float(dapple_ir.simulate(plan_dir, cluster=dataclasses.replace(spec, node_kinds=free)).iteration_s)
 
 
@@ -159,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             f"with its split backward priced free the prediction would be {100 * (free_s / predicted[base] - 1):+.1f}%"
         )
         table.notes.append(
-            "zb-h1's predicted iteration prices its split backward at calibrate's `split_backward_overhead` per "
-            f"weight op; priced free it would be {free_s:.4f} s."
+            "zb-h1's predicted iteration prices its split backward as calibrate measured it "
+            "(`split_backward_overhead` per weight op, `split_backward_per_byte` per byte of its weights); "
+            f"priced free it would be {free_s:.4f} s."
         )
     if errors:
         worst = max(errors)

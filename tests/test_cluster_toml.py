@@ -173,6 +173,10 @@ _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
             'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nsplit_backward_overhead = -1e-4\n',
             "device_kinds.x.split_backward_overhead",
         ),
+        (
+            'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nsplit_backward_per_byte = -1\n',
+            "device_kinds.x.split_backward_per_byte",
+        ),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
         ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),
         ('devices_per_node = 8\ndevice = "H100"\n[network]\ncards = 9\n', "network.cards"),

@@ -12,7 +12,7 @@ import torch
 from dapple_ir.cli import main
 from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind
 from dapple_ir.cluster.toml_file import resolve_cluster
-from dapple_ir.commands.calibrate import fit_efficiency
+from dapple_ir.commands.calibrate import fit_efficiency, fit_split_price
 
 
 def test_fit_efficiency_is_roofline_over_measured(tmp_path: Path) -> None:
@@ -70,15 +70,17 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     # with idle cores it may well be 1), and the file carries it.
     assert 1.0 <= cpu.busy_receive_slowdown <= 1000.0
     assert (cpu.busy_receive_slowdown != 1.0) == ("busy_receive_slowdown" in out.read_text())
-    # And what a split backward costs beyond a whole one per weight op (zero where it costs nothing).
-    assert 0.0 <= cpu.split_backward_overhead < 0.1
+    # And what a split backward costs beyond a whole one per weight op and byte (zero where it costs nothing).
+    assert 0.0 <= cpu.split_backward_overhead < 0.1 and 0.0 <= cpu.split_backward_per_byte < 1e-6
     assert (cpu.split_backward_overhead != 0.0) == ("split_backward_overhead" in out.read_text())
+    assert (cpu.split_backward_per_byte != 0.0) == ("split_backward_per_byte" in out.read_text())
 
 
 def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """`measure_split_overhead` times the runtime's `input_pass` and `weight_passes`, not a copy of them: with 2 ms
-    planted in each weight pass (one per Linear of its chain) it reports at least those 2 ms per weight op, less
-    what noise in the two backwards it subtracts can take off (bounded well below 0.5 ms here)."""
+    planted in each weight pass (one per Linear of its chains) every width reads at least those 2 ms per layer, less
+    what noise in the two backwards it subtracts can take off (well below 0.5 ms here), and each point carries its
+    layer's weight and bias bytes."""
     from dapple_ir.backends.torch import split_backward
 
     original = split_backward.weight_passes
@@ -90,7 +92,19 @@ def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pyt
         original(deferred)
 
     monkeypatch.setattr(split_backward, "weight_passes", slow)
-    assert split_backward.measure_split_overhead("cpu", rounds=10) > 1.5e-3
+    monkeypatch.setitem(split_backward.SPLIT_CHAIN, "cpu", (4, 4, (8, 16)))
+    points = split_backward.measure_split_overhead("cpu", rounds=10)
+    assert [nbytes for nbytes, _ in points] == [4.0 * (8 * 8 + 8), 4.0 * (16 * 16 + 16)]
+    assert all(seconds > 1.5e-3 for _, seconds in points)
+
+
+def test_the_split_price_is_the_line_through_the_widths() -> None:
+    """`fit_split_price`: points on a known line give back its intercept and slope; a line that falls with size is
+    read as a constant (the mean), and a negative intercept as 0."""
+    line = [(x, 1e-4 + 5e-11 * x) for x in (2.6e5, 1.05e6, 4.2e6)]
+    assert fit_split_price(line) == pytest.approx((1e-4, 5e-11), rel=1e-9)
+    assert fit_split_price([(1e5, 3e-4), (1e6, 1e-4)]) == pytest.approx((2e-4, 0.0))
+    assert fit_split_price([(1e5, 0.0), (1e6, 9e-4)]) == pytest.approx((0.0, 1e-9))
 
 
 def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,19 +93,24 @@ def test_estimate_and_simulator_both_keep_the_fixed_part(tmp_path: Path, microba
 
 
 def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path) -> None:
-    """Under zb-h1 the cost model adds `split_backward_overhead` c per weight op to the backward of every stage but
-    the first (`cost_model.split_s`). Reference: the same estimate with c = 0 and each such layer's backward c per
-    weight op longer in its fixed part (which does not scale with the microbatch). Other schedules pay nothing."""
+    """Under zb-h1 the cost model adds `split_backward_overhead` c per weight op and `split_backward_per_byte` p per
+    byte of their parameters to the backward of every stage but the first (`cost_model.split_s`). Reference: the
+    same estimate with c = p = 0 and each such layer's backward c + p x its parameter bytes longer in its fixed
+    part (which does not scale with the microbatch). Other schedules pay nothing."""
     module = _chain(tmp_path)
     plain = resolve_cluster("2xV100-16GB")
-    c = 1e-3
+    c, p = 1e-3, 1e-6
     priced = dataclasses.replace(
-        plain, node_kinds=tuple(dataclasses.replace(k, split_backward_overhead=c) for k in plain.node_kinds)
+        plain,
+        node_kinds=tuple(
+            dataclasses.replace(k, split_backward_overhead=c, split_backward_per_byte=p) for k in plain.node_kinds
+        ),
     )
     problem, bare = problem_from_module(module, priced, 64), problem_from_module(module, plain, 64)
-    assert problem.weight_ops == [1, 1, 1, 1]  # each imported layer has parameter bytes
+    assert problem.weight_ops == [1, 1, 1, 1]  # each imported layer has parameter bytes (1000)
+    assert problem.weight_op_bytes == [1000.0] * 4
     stages = (StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,)))
-    extra = [0.0, 0.0, c, c]  # the second stage's two layers
+    extra = [0.0, 0.0, c + 1000 * p, c + 1000 * p]  # the second stage's two layers
     by_hand = dataclasses.replace(
         bare,
         bwd_s=[t + x for t, x in zip(bare.bwd_s, extra, strict=True)],

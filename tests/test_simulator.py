@@ -274,13 +274,16 @@ def test_backward_input_fraction_splits_backward() -> None:
 
 
 def test_a_split_backward_pays_one_pass_per_weight_op() -> None:
-    """`DeviceKind.split_backward_overhead` c: each stage that hands a gradient back pays c per weight op
-    (`peak_memory.weight_ops`: here the one op reading a parameter) in its weight pass; the first stage, whose one
+    """`DeviceKind.split_s`: each stage that hands a gradient back pays `split_backward_overhead` per weight op
+    (`peak_memory.weight_ops`: here the one op reading a parameter) and `split_backward_per_byte` per byte of its
+    parameters, together c, in its weight pass; the first stage, whose one
     weight pass is its whole backward, and a stage without parameters pay nothing, and so does an unsplit
     schedule. By hand: f = 0.5 of a 4 s backward, so the weight pass is 2 s + c."""
     c = 0.25
     free = Link(math.inf, 0.0)
-    kind = DeviceKind("split", math.inf, {"f32": math.inf}, math.inf, split_backward_overhead=c)
+    kind = DeviceKind("split", math.inf, {"f32": math.inf}, math.inf, split_backward_overhead=c / 2)
+    # Each stage's parameter holds 8 f32 (32 bytes): the other half of c is its per-byte part.
+    kind = dataclasses.replace(kind, split_backward_per_byte=c / 2 / 32)
     priced = ClusterSpec((kind,), 3, free, free)
 
     def passes(module: Module, cluster: ClusterSpec | None) -> dict[tuple[int, InstrKind], float]:
@@ -300,7 +303,9 @@ def test_a_split_backward_pays_one_pass_per_weight_op() -> None:
     assert simulate(unsplit, cluster=priced).iteration_s == pytest.approx(simulate(unsplit).iteration_s)
     # Here c hides in the bubbles (24 s either way); at c = 2 s the middle rank's own work, 4 x (1 + 2 + 2 + 2) s,
     # is past the 24 s.
-    dear = ClusterSpec((dataclasses.replace(kind, split_backward_overhead=2.0),), 3, free, free)
+    dear = ClusterSpec(
+        (dataclasses.replace(kind, split_backward_overhead=2.0, split_backward_per_byte=0.0),), 3, free, free
+    )
     assert simulate(with_params, cluster=dear).iteration_s >= 4 * (1.0 + 2.0 + 2.0 + 2.0) > 24.0
 
 

@@ -5,8 +5,10 @@ with the `WeightPass`es that `weight_passes` runs later (zb-h1's `backward_input
 The two together compute exactly what one `torch.autograd.backward` computes, but not for the same
 price: the weight work is one autograd pass per op whose parameters branch off the path to the inputs
 (each pass restarts from the gradient captured at that op), and the input pass first walks the graph to
-find those ops. `measure_split_overhead` times that price per such op on a device; `dapple calibrate`
-records it as `DeviceKind.split_backward_overhead`, which the simulator and the planner charge.
+find those ops, and the weight passes touch the parameter gradients again once the caches have moved on.
+`measure_split_overhead` times that price per such op on chains of several widths; `dapple calibrate` fits
+`DeviceKind.split_backward_overhead` (per op) and `split_backward_per_byte` to it, and the simulator and the
+planner charge them.
 """
 
 from __future__ import annotations
@@ -71,31 +73,39 @@ def weight_passes(deferred: list[WeightPass]) -> None:
         torch.autograd.backward(wp.roots, wp.grads, retain_graph=k < len(passes) - 1, inputs=wp.params)
 
 
-#: The chain `measure_split_overhead` times, by device type: (width, rows, Linear + GELU layers). The CPU's is the
-#: benchmark MLP's layer at its microbatch.
-SPLIT_CHAIN = {"cpu": (256, 32, 8), "cuda": (1024, 64, 8)}
+#: The chains `measure_split_overhead` times, by device type: rows and Linear + GELU layers, and the widths whose
+#: weights span the sizes a layer's parameters have in the models run there.
+SPLIT_CHAIN: dict[str, tuple[int, int, tuple[int, ...]]] = {
+    "cpu": (32, 8, (256, 512, 1024)),
+    "cuda": (64, 8, (1024, 2048, 4096)),
+}
 
 
-def measure_split_overhead(device: str | torch.device, ranks: int = 1, rounds: int = 40) -> float:
-    """Seconds a split backward costs on `device` beyond one whole backward, per op whose parameters the weight
-    work reaches on its own pass: the median over `rounds` of (input pass + weight passes - whole backward), the
-    two timed back to back on the same chain of Linear + GELU layers (`SPLIT_CHAIN`), over its layers; at least 0.
+def measure_split_overhead(device: str | torch.device, ranks: int = 1, rounds: int = 40) -> list[tuple[float, float]]:
+    """What a split backward costs on `device` beyond one whole backward, per op whose parameters the weight work
+    reaches on its own pass: per width of `SPLIT_CHAIN`, (the bytes of one layer's weight and bias, the extra
+    seconds per layer) on a chain of Linear + GELU layers that wide. Each figure is the median over `rounds` of
+    (input pass + weight passes - whole backward), the two timed back to back, over the chain's layers.
+    `dapple calibrate` reads a price per op and per byte off the line through them.
 
-    Both backwards produce the chain input's gradient and accumulate into existing parameter gradients, as a
-    stage does from its second microbatch on. On a CPU it runs with one of `ranks` ranks' share of the cores. It
-    is host work on the rank's own cores, so it is timed alone (other ranks share the memory, not those cores)."""
+    The per-op part is host work (one more autograd pass, the input pass's walk of the graph); the per-byte part
+    is what the weight pass pays for touching its parameter gradients again after the caches moved on (the dev
+    VM: about 120 us at 256 wide, 230 at 512, 340 at 1024). Both backwards produce the chain input's gradient
+    and accumulate into existing parameter gradients, as a stage does from its second microbatch on. On a CPU it
+    runs with one of `ranks` ranks' share of the cores, alone: the other ranks share the memory, not those cores."""
     device = torch.device(device)
     threads = torch.get_num_threads()
     if device.type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    rows, depth, widths = SPLIT_CHAIN["cuda" if device.type == "cuda" else "cpu"]
     try:
-        return _split_overhead(device, rounds)
+        return [(4.0 * (w * w + w), _split_overhead(device, w, rows, depth, rounds)) for w in widths]
     finally:
         torch.set_num_threads(threads)
 
 
-def _split_overhead(device: torch.device, rounds: int) -> float:
-    width, rows, depth = SPLIT_CHAIN["cuda" if device.type == "cuda" else "cpu"]
+def _split_overhead(device: torch.device, width: int, rows: int, depth: int, rounds: int) -> float:
+    """The median extra seconds per layer of a split backward over a whole one, on a chain `width` wide."""
     chain = torch.nn.Sequential(*[m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
     chain = chain.to(device)
     params: list[torch.Tensor] = list(chain.parameters())
@@ -121,7 +131,7 @@ def _split_overhead(device: torch.device, rounds: int) -> float:
 
     timed(whole), timed(split)  # warm-up, and the gradients every later round accumulates into
     extra = [timed(split) - timed(whole) for _ in range(rounds)]
-    return max(0.0, median(extra) / depth)
+    return median(extra) / depth
 
 
 def weight_split(

@@ -54,6 +54,13 @@ class DeviceKind:
     the graph to find them. A stage that hands no gradient back runs its whole backward as one weight pass and pays
     none of it. `dapple calibrate` measures it with the runtime's own split (`split_backward.measure_split_overhead`);
     0 on the GPU presets, whose host issues those passes ahead of the device's kernels."""
+    split_backward_per_byte: float = 0.0
+    """Seconds the same split costs per byte of those ops' parameters: the weight pass touches their gradients again
+    after the caches have moved on. Measured with `split_backward_overhead` (a line through three layer widths)."""
+
+    def split_s(self, ops: int, param_bytes: float) -> float:
+        """What splitting a backward costs beyond the whole one for `ops` weight ops reading `param_bytes`."""
+        return ops * self.split_backward_overhead + param_bytes * self.split_backward_per_byte
 
     def flops(self, dtype: str = "f32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["f32"])
@@ -100,9 +107,17 @@ PRESETS: dict[str, DeviceKind] = {
     ),
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
-    # dispatch and autograd) on the 2-core dev VM when idle, and 106-178 us per weight op for a
-    # split backward (`split_backward_overhead`). Calibrate your machine for its own.
-    "cpu": DeviceKind("cpu", 8 * GB, {"f32": 50e9}, 10e9, op_overhead=10e-6, split_backward_overhead=140e-6),
+    # dispatch and autograd) on the 2-core dev VM when idle, and for a split backward 120-212 us per
+    # weight op plus 59-100 us per MB of its weights (four readings). Calibrate your machine for its own.
+    "cpu": DeviceKind(
+        "cpu",
+        8 * GB,
+        {"f32": 50e9},
+        10e9,
+        op_overhead=10e-6,
+        split_backward_overhead=150e-6,
+        split_backward_per_byte=70e-12,
+    ),
 }
 
 #: The fabrics a node may have (see the module docstring).

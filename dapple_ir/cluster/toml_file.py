@@ -18,6 +18,7 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     busy_receive_slowdown = 1.0     # a transfer into the device moves this much slower while it computes
                                     # (1: own hardware for it; above 1 on a CPU host whose cores all compute)
     split_backward_overhead = 0.0   # seconds a split (zb-h1) backward adds per op with parameters
+    split_backward_per_byte = 0.0   # and per byte of those ops' parameters
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -78,6 +79,7 @@ _KIND_KEYS = {
     "op_overhead",
     "busy_receive_slowdown",
     "split_backward_overhead",
+    "split_backward_per_byte",
 }
 _LINK_KEYS = {"bandwidth", "latency"}
 _FABRIC_KEYS = {"kind", "bandwidth", "latency"}
@@ -278,9 +280,14 @@ def _device_kinds(r: _Reader, tables: dict[str, Any]) -> dict[str, DeviceKind]:
             f"{where}.split_backward_overhead",
             allow_zero=True,
         )
+        per_byte = r.positive(
+            table.get("split_backward_per_byte", preset.split_backward_per_byte if preset else 0.0),
+            f"{where}.split_backward_per_byte",
+            allow_zero=True,
+        )
         kinds[name] = DeviceKind(
             name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown,
-            split_backward_overhead=split,
+            split_backward_overhead=split, split_backward_per_byte=per_byte,
         )  # fmt: skip
     return kinds
 
@@ -362,6 +369,8 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
             lines.append(f"busy_receive_slowdown = {kind.busy_receive_slowdown!r}")
         if kind.split_backward_overhead:
             lines.append(f"split_backward_overhead = {kind.split_backward_overhead!r}")
+        if kind.split_backward_per_byte:
+            lines.append(f"split_backward_per_byte = {kind.split_backward_per_byte!r}")
     lines += ["", "[fabric]", f"kind = {_toml_str(spec.fabric)}"]
     lines += [f"bandwidth = {spec.intra.bandwidth!r}", f"latency = {spec.intra.latency!r}"]
     lines += ["", "[network]", f"cards = {spec.cards}"]

@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
         # node is never faster than one inside this node, so the cluster file stays consistent.
         inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
     # Timed with the runtime's own split of a backward.
-    split = measure_split_overhead(args.device, devices)
-    kind = dataclasses.replace(kind, split_backward_overhead=split)
-    solo = dataclasses.replace(solo, split_backward_overhead=split)
+    split, per_byte = fit_split_price(measure_split_overhead(args.device, devices))
+    kind = dataclasses.replace(kind, split_backward_overhead=split, split_backward_per_byte=per_byte)
+    solo = dataclasses.replace(solo, split_backward_overhead=split, split_backward_per_byte=per_byte)
     if args.fit and len(args.fit) > 1:
         # Measured in the model's own ops rather than in a loop of tiny ones: it replaces the tiny-op figure.
         fixed = fit_fixed_s(args.fit)
@@ -89,13 +89,24 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"calibrate: {kind.name}: f32 {kind.flops('f32') / 1e9:.1f} GFLOP/s per rank{alone}, "
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
-        f"{kind.split_backward_overhead * 1e6:.0f} us per weight op of a split backward, "
+        f"a split backward {kind.split_backward_overhead * 1e6:.0f} us per weight op "
+        f"+ {kind.split_backward_per_byte * 1e12:.0f} us per MB of its weights, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
         f"efficiency: {fitted} -> {args.output}",
         file=sys.stderr,
     )
     return 0
+
+
+def fit_split_price(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(`split_backward_overhead`, `split_backward_per_byte`): the least-squares line (`roofline.line_fit`) through
+    the (parameter bytes, extra seconds) per layer that `measure_split_overhead` timed at each width. Neither part
+    is below 0: a line that falls with size is read as a constant, the points' mean."""
+    fixed, per_byte = line_fit(points)
+    if per_byte <= 0:
+        return max(0.0, sum(y for _, y in points) / len(points)), 0.0
+    return max(0.0, fixed), per_byte
 
 
 def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:

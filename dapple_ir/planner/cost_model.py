@@ -124,7 +124,9 @@ class Problem:
     (a flattened [b * s, d]): a stage on either side of one cannot split (`lower-comm` could not slice it)."""
     weight_ops: list[int] = field(default_factory=list)
     """Per layer, its ops that read trainable parameters (`peak_memory.param_ops`): under zb-h1 each costs a
-    stage that hands gradients back one more autograd pass (`DeviceKind.split_backward_overhead`). Empty: none."""
+    stage that hands gradients back one more autograd pass (`DeviceKind.split_s`). Empty: none."""
+    weight_op_bytes: list[float] = field(default_factory=list)
+    """Per layer, the parameter bytes those ops read (the split's per-byte part). Empty: none."""
     tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
     reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
@@ -146,6 +148,7 @@ class Problem:
         ]
         self._models = list(models)
         self.pw = [0, *accumulate(self.weight_ops or [0] * len(self.fwd_s))]
+        self.pwb = [0.0, *accumulate(self.weight_op_bytes or [0.0] * len(self.fwd_s))]
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -289,6 +292,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         ],
         roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
         weight_ops=[len(param_ops(module, layer.ops)) for layer in module.layers],
+        weight_op_bytes=[module.param_bytes_of(param_ops(module, layer.ops)) for layer in module.layers],
         tied=_tied_layers(module),
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),
@@ -614,10 +618,11 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
 
 def split_s(problem: Problem, st: StageChoice) -> float:
     """What splitting stage `st`'s backward into an input and a weight pass (zb-h1) adds to it: one autograd pass
-    per weight op (`Problem.weight_ops`) at its slowest device's `split_backward_overhead`. The first stage hands
-    no gradient back and runs its backward whole: the caller leaves it out."""
-    per_op = max(problem.cluster.device(d).split_backward_overhead for d in st.devices)
-    return per_op * (problem.pw[st.hi] - problem.pw[st.lo]) if per_op else 0.0
+    per weight op and the bytes of their parameters (`Problem.weight_ops`, `weight_op_bytes`) at its slowest
+    device's `DeviceKind.split_s`. The first stage hands no gradient back and runs its backward whole: the caller
+    leaves it out."""
+    ops, nbytes = problem.pw[st.hi] - problem.pw[st.lo], problem.pwb[st.hi] - problem.pwb[st.lo]
+    return max(problem.cluster.device(d).split_s(ops, nbytes) for d in st.devices)
 
 
 def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:

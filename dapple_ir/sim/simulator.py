@@ -18,7 +18,8 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   `backward_input` has nothing to compute there, and its `backward_weight` runs the whole backward.
   The split is not free: `backward_weight` also takes the device kind's `split_backward_overhead` per op
   whose parameters get a weight pass of their own (`peak_memory.weight_ops`; none on a stage that hands
-  no gradient back), so the two passes cost more than the whole backward where the host pays per pass.
+  no gradient back) and `split_backward_per_byte` per byte of their parameters, so the two passes cost
+  more than the whole backward where the host pays per pass.
 - `send` is an isend: its bytes start to flow over the path between the two devices
   (`dapple_ir.cluster.topology`) once the send has issued and the receiver has posted the matching
   receive, and arrive the path's latency after the last byte is through; the sender does not wait.
@@ -800,8 +801,8 @@ def _durations(
 
     The op times are at `cost_batch` samples, scaled to the microbatch b; a split replica's `rows` < b
     keep each op call's fixed part (`roofline.rescaled_s`). A recomputing stage reruns its forward right
-    before the backward (or its input pass). The weight pass carries the split's fixed price
-    (`DeviceKind.split_backward_overhead` per `peak_memory.weight_ops`)."""
+    before the backward (or its input pass). The weight pass carries the split's price (`DeviceKind.split_s` of
+    `peak_memory.weight_ops` and their parameter bytes)."""
     scale = memory.batch_scale(module)
     b = module.attrs.microbatch_size or rows
 
@@ -813,7 +814,10 @@ def _durations(
     rerun = fwd if stage.recompute else 0.0
     f = backward_input_fraction
     # The split's own price: one more autograd pass per weight op (none where the stage hands nothing back).
-    split = len(weight_ops(module, stage)) * kind.split_backward_overhead if kind.split_backward_overhead else 0.0
+    split = 0.0
+    if kind.split_backward_overhead or kind.split_backward_per_byte:
+        ops = weight_ops(module, stage)
+        split = kind.split_s(len(ops), module.param_bytes_of(ops))
     return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f) + split
 
 
