@@ -3,7 +3,8 @@
 1. `dapple profile` the benchmark MLP at the microbatch size (one thread, as every rank runs) and
    `dapple calibrate --device cpu --devices P --fit profile.json` writes a cluster TOML for this machine.
 2. `dapple compile --cluster cluster.toml` a few plans (stages, schedule and microbatches forced, the
-   planner choosing cuts and replication) and `dapple_ir.simulate(plan_dir)` predicts an iteration.
+   planner choosing cuts and replication; and one with only the stages forced, the planner's own choice of
+   schedule and microbatch count) and `dapple_ir.simulate(plan_dir)` predicts an iteration.
 3. `dapple_ir.run(plan_dir, transport="torchrun")` trains each plan with one process per rank; the
    measured iteration is global batch / samples/s (steps after the first). Plans run interleaved, round
    by round, and each figure is the median over rounds.
@@ -31,6 +32,8 @@ from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_
 
 DAPPLE = str(ROOT / ".venv" / "bin" / "dapple")
 MICROBATCH = 32
+#: Every plan's global batch: 8 microbatches of `MICROBATCH` where the plan forces M = 8.
+GLOBAL_BATCH = 8 * MICROBATCH
 
 
 def calibrate(spec: str, devices: int, work: Path) -> Path:
@@ -53,7 +56,7 @@ def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> f
     import dapple_ir
 
     dapple_ir.compile(
-        spec, cluster=str(cluster), global_batch=plan["m"] * MICROBATCH, stages=plan["stages"],
+        spec, cluster=str(cluster), global_batch=GLOBAL_BATCH, stages=plan["stages"],
         microbatches=plan["m"], schedule=plan["schedule"], optimizer="sgd", out_dir=out,
     )  # fmt: skip
     return float(dapple_ir.simulate(out).iteration_s)
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         {"stages": 2, "schedule": "gpipe", "m": 8},
         {"stages": 2, "schedule": "zb-h1", "m": 8},
         {"stages": 1, "schedule": "1f1b", "m": 8},
+        # The planner's own choice of schedule and microbatch count on 2 stages (None: its to choose).
+        {"stages": 2, "schedule": None, "m": None},
     ]
     if args.quick:
         plans = plans[:1]
@@ -116,13 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         predicted: dict[int, float] = {}
         free_s = 0.0
         ranks: dict[int, int] = {}
+        chosen: dict[int, tuple[str, int]] = {}  # the planner's schedule and M where the plan leaves them free
         failures: dict[int, str] = {}
         for i, plan in enumerate(plans):
             try:
                 predicted[i] = compile_plan(spec, cluster, plan, work / f"plan{i}")
                 if plan["schedule"] == "zb-h1":
                     free_s = split_free_s(work / f"plan{i}", cluster)
-                ranks[i] = int(json.loads((work / f"plan{i}" / "plan.json").read_text())["ranks"])
+                written = json.loads((work / f"plan{i}" / "plan.json").read_text())
+                ranks[i] = int(written["ranks"])
+                if plan["schedule"] is None:
+                    chosen[i] = (f"auto: {written['schedule']}", int(written["microbatches"]))
             except Exception as exc:
                 failures[i] = unavailable(str(exc).splitlines()[0][:160])
         measured: dict[int, list[float]] = {i: [] for i in predicted}
@@ -133,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                 if i in failures:
                     continue
                 try:
-                    measured[i].append(measure(work / f"plan{i}", steps, plans[i]["m"] * MICROBATCH))
+                    measured[i].append(measure(work / f"plan{i}", steps, GLOBAL_BATCH))
                 except Exception as exc:
                     failures[i] = unavailable(str(exc).splitlines()[0][:160])
         for i, plan in enumerate(plans):
-            head = [plan["stages"], plan["schedule"], plan["m"], ranks.get(i, "-")]
+            schedule, m = chosen.get(i, (plan["schedule"] or "auto", plan["m"] or "-"))
+            head = [plan["stages"], schedule, m, ranks.get(i, "-")]
             if i in failures or not measured.get(i):
                 table.add(*head, predicted.get(i, "-"), failures.get(i, "not measured"), "-", "-")
                 continue
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         f"measured = global batch / samples/s of `dapple run` (torchrun, gloo), {steps} steps, median of {rounds} "
         "interleaved round(s).",
     ]
-    two = {plan["schedule"]: i for i, plan in enumerate(plans) if plan["stages"] == 2 and measured.get(i)}
+    two = {plan["schedule"]: i for i, plan in enumerate(plans) if plan["stages"] == 2 and plan["m"] and measured.get(i)}
     if "1f1b" in two and "zb-h1" in two:
         zb, base = two["zb-h1"], two["1f1b"]
         guessed, found = predicted[zb] / predicted[base], median(measured[zb]) / median(measured[base])

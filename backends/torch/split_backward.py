@@ -81,7 +81,7 @@ SPLIT_CHAIN: dict[str, tuple[int, int, tuple[int, ...]]] = {
 }
 
 
-def measure_split_overhead(device: str | torch.device, ranks: int = 1, rounds: int = 40) -> list[tuple[float, float]]:
+def measure_split_overhead(device: str | torch.device, ranks: int = 1, rounds: int = 24) -> list[tuple[float, float]]:
     """What a split backward costs on `device` beyond one whole backward, per op whose parameters the weight work
     reaches on its own pass: per width of `SPLIT_CHAIN`, (the bytes of one layer's weight and bias, the extra
     seconds per layer) on a chain of Linear + GELU layers that wide. Each figure is the median over `rounds` of

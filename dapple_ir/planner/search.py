@@ -521,25 +521,33 @@ def _plan_key(cand: Candidate) -> tuple:
 
 
 def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple]) -> list[Scored]:
-    """The plans one step from `cand` that fit and were not seen: half and twice the microbatches,
-    another schedule, split replication toggled (round robin, or split where it can), and (up to
-    `LOCAL_CUT_STAGES` stages) one cut moved by a layer; what the
-    request fixes stays fixed, and a forced stage count keeps the searches' cuts too (it is how a
+    """The plans one step from `cand` that fit and were not seen: half and twice the microbatches
+    (under every schedule the request allows), another schedule, split replication toggled (round
+    robin, or split where it can), and (up to `LOCAL_CUT_STAGES` stages) one cut moved by a layer;
+    what the request fixes stays fixed, and a forced stage count keeps the searches' cuts too (it is how a
     split is reproduced to compare systems: bench/runtime_vs_torch_pipelining.py cuts torch where we
     cut, which must be a module's edge). Interleaved plans have no neighbours."""
     if cand.virtual != 1:
         return []
     options: list[Candidate] = []
+    allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
     if req.microbatches is None:
+        # With each schedule: which order wins moves with the microbatch count (zb-h1's split costs per
+        # microbatch, its bubble shrinks with more of them), so a climb that changes one at a time stops short.
+        schedules = [cand.schedule, *(k for k in allowed if k != cand.schedule)] if req.schedule is None else []
         for m in (cand.microbatches // 2, cand.microbatches * 2):
             if 1 <= m <= problem.global_batch and problem.global_batch % m == 0:
-                options.append(dataclasses.replace(cand, microbatches=m, source=f"{cand.source}~M{m}"))
+                options += [
+                    dataclasses.replace(
+                        cand, microbatches=m, schedule=k, source=f"{cand.source}~M{m}" + f"~{k}" * (k != cand.schedule)
+                    )
+                    for k in schedules or [cand.schedule]
+                ]
     if req.replication == "auto":
         twin = with_replication(problem, cand, "round-robin" if any(cand.split) else "auto")
         if twin is not None and twin.split != cand.split and round_robin_priced(twin):
             options.append(dataclasses.replace(twin, source=f"{cand.source}~{'rr' if any(cand.split) else 'split'}"))
     if req.schedule is None:
-        allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
         options += [
             dataclasses.replace(cand, schedule=k, source=f"{cand.source}~{k}") for k in allowed if k != cand.schedule
         ]
