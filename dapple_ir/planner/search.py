@@ -522,19 +522,25 @@ def _plan_key(cand: Candidate) -> tuple:
 
 def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple]) -> list[Scored]:
     """The plans one step from `cand` that fit and were not seen: half and twice the microbatches
-    (under every schedule the request allows), another schedule, split replication toggled (round
-    robin, or split where it can), and (up to `LOCAL_CUT_STAGES` stages) one cut moved by a layer;
-    what the request fixes stays fixed, and a forced stage count keeps the searches' cuts too (it is how a
-    split is reproduced to compare systems: bench/runtime_vs_torch_pipelining.py cuts torch where we
-    cut, which must be a module's edge). Interleaved plans have no neighbours."""
+    (under every schedule the request allows where the cluster prices a split backward), another
+    schedule, split replication toggled (round robin, or split where it can), and (up to
+    `LOCAL_CUT_STAGES` stages) one cut moved by a layer; what the request fixes stays fixed, and a
+    forced stage count keeps the searches' cuts too (it is how a split is reproduced to compare
+    systems: bench/runtime_vs_torch_pipelining.py cuts torch where we cut, which must be a module's
+    edge). Interleaved plans have no neighbours."""
     if cand.virtual != 1:
         return []
     options: list[Candidate] = []
     allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
     if req.microbatches is None:
-        # With each schedule: which order wins moves with the microbatch count (zb-h1's split costs per
-        # microbatch, its bubble shrinks with more of them), so a climb that changes one at a time stops short.
-        schedules = [cand.schedule, *(k for k in allowed if k != cand.schedule)] if req.schedule is None else []
+        # Where the cluster prices zb-h1's split backward, with each schedule: whether zb-h1 wins then moves
+        # with the microbatch count (its split costs per microbatch, its bubble shrinks with more of them),
+        # and a climb that changes one at a time stops short. Elsewhere one at a time (each move is a
+        # simulation: every schedule at both counts made the search 1.5x slower on the published profiles).
+        priced = any(k.split_backward_overhead or k.split_backward_per_byte for k in problem.cluster.node_kinds)
+        schedules = (
+            [cand.schedule, *(k for k in allowed if k != cand.schedule)] if req.schedule is None and priced else []
+        )
         for m in (cand.microbatches // 2, cand.microbatches * 2):
             if 1 <= m <= problem.global_batch and problem.global_batch % m == 0:
                 options += [
