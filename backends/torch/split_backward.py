@@ -13,7 +13,6 @@ planner charge them.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from dapple_ir.frontend.measure import rank_threads
 
 
 @dataclass
@@ -94,14 +95,9 @@ def measure_split_overhead(device: str | torch.device, ranks: int = 1, rounds: i
     and accumulate into existing parameter gradients, as a stage does from its second microbatch on. On a CPU it
     runs with one of `ranks` ranks' share of the cores, alone: the other ranks share the memory, not those cores."""
     device = torch.device(device)
-    threads = torch.get_num_threads()
-    if device.type != "cuda":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     rows, depth, widths = SPLIT_CHAIN["cuda" if device.type == "cuda" else "cpu"]
-    try:
+    with rank_threads(device.type, ranks):
         return [(4.0 * (w * w + w), _split_overhead(device, w, rows, depth, rounds)) for w in widths]
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _split_overhead(device: torch.device, width: int, rows: int, depth: int, rounds: int) -> float:

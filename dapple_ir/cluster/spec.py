@@ -58,6 +58,11 @@ class DeviceKind:
     """Seconds the same split costs per byte of those ops' parameters: the weight pass touches their gradients again
     after the caches have moved on. Measured with `split_backward_overhead` (a line through three layer widths)."""
 
+    @property
+    def prices_split(self) -> bool:
+        """Whether a split backward costs more than the whole one here (`split_s` is not always 0)."""
+        return bool(self.split_backward_overhead or self.split_backward_per_byte)
+
     def split_s(self, ops: int, param_bytes: float) -> float:
         """What splitting a backward costs beyond the whole one for `ops` weight ops reading `param_bytes`."""
         return ops * self.split_backward_overhead + param_bytes * self.split_backward_per_byte

@@ -82,20 +82,14 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
     count = devices or (torch.cuda.device_count() if kind_name == "cuda" else 1)
     if count < 1:
         raise DappleError(f"calibrate: --devices must be at least 1, not {count}")
-    threads = torch.get_num_threads()
-    if kind_name == "cpu":
-        # Each CPU rank gets its share of the cores, so measure with that many threads.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // count))
     shared = kind_name == "cpu" and count > 1
-    try:
+    with rank_threads(kind_name, count):
         solo = measure_device(torch.device(device), kind_name, count)
         kind = solo
         if shared:
             share = _shared_rate(torch.device(device), kind_name, count - 1)
             flops = {k: v * share for k, v in solo.peak_flops.items()}
             kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1, flops=flops)
-    finally:
-        torch.set_num_threads(threads)
     if not shared:
         return NodeMeasurement(kind, solo, count, None)
     link, slowdown = measure_cpu_link()
@@ -304,6 +298,19 @@ def _matmul_operands(device: Any, kind_name: str) -> tuple[int, torch.Tensor, to
     """The edge and two random square operands of the matmul whose rate stands for the device's peak."""
     n = _MATMUL_N[kind_name]
     return n, torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+
+@contextmanager
+def rank_threads(device_type: str, ranks: int) -> Iterator[None]:
+    """During the block torch computes with one of `ranks` CPU ranks' share of the cores (a CPU rank measures
+    what it gets); on a GPU, as it was. The thread count is restored after."""
+    threads = torch.get_num_threads()
+    if device_type != "cuda":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextmanager

@@ -272,6 +272,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
     batch = module.attrs.batch or module.attrs.cost_batch or 1
     kind = cluster.device(0)
     priced = roofline_ops(module, cluster)
+    weighted = [param_ops(module, layer.ops) for layer in module.layers]
     return Problem(
         fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
         bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
@@ -291,8 +292,8 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
             sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
         ],
         roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
-        weight_ops=[len(param_ops(module, layer.ops)) for layer in module.layers],
-        weight_op_bytes=[module.param_bytes_of(param_ops(module, layer.ops)) for layer in module.layers],
+        weight_ops=[len(ops) for ops in weighted],
+        weight_op_bytes=[module.param_bytes_of(ops) for ops in weighted],
         tied=_tied_layers(module),
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),

@@ -537,7 +537,7 @@ def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple
         # with the microbatch count (its split costs per microbatch, its bubble shrinks with more of them),
         # and a climb that changes one at a time stops short. Elsewhere one at a time (each move is a
         # simulation: every schedule at both counts made the search 1.5x slower on the published profiles).
-        priced = any(k.split_backward_overhead or k.split_backward_per_byte for k in problem.cluster.node_kinds)
+        priced = any(k.prices_split for k in problem.cluster.node_kinds)
         schedules = (
             [cand.schedule, *(k for k in allowed if k != cand.schedule)] if req.schedule is None and priced else []
         )

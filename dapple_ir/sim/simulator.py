@@ -815,7 +815,7 @@ def _durations(
     f = backward_input_fraction
     # The split's own price: one more autograd pass per weight op (none where the stage hands nothing back).
     split = 0.0
-    if kind.split_backward_overhead or kind.split_backward_per_byte:
+    if kind.prices_split:
         ops = weight_ops(module, stage)
         split = kind.split_s(len(ops), module.param_bytes_of(ops))
     return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f) + split
