@@ -5,7 +5,7 @@ dict whose `"loss"` is the shifted next-token cross-entropy, so the factories gi
 
 `factory()` is tiny enough to train on two CPU ranks in seconds:
 
-    dapple compile examples/llama.py:factory --cluster 2xcpu --global-batch 8 --stages 2 -o plans/llama
+    dapple compile examples/llama.py:factory --cluster 2xcpu --global-batch 8 --stages 2 --microbatches 4 -o plans/llama
     dapple run plans/llama --steps 2 --check
 
 `factory_7b()` is Llama-2-7B (32 layers, hidden 4096, seq 2048, example batch 4) and

@@ -4,7 +4,7 @@ inputs by shifting the labels right and returns a dict whose `"loss"` is the cro
 labels, so the factory gives no loss function. The encoder's output feeds every decoder block (the
 cross-attention), so a pipeline cut inside the decoder also sends the encoder's states.
 
-    dapple compile examples/t5.py:factory --cluster 2xcpu --global-batch 8 --stages 2 -o plans/t5
+    dapple compile examples/t5.py:factory --cluster 2xcpu --global-batch 8 --stages 2 --microbatches 4 -o plans/t5
     dapple run plans/t5 --steps 2 --check
 """
 

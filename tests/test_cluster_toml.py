@@ -138,7 +138,15 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     spec = resolve_cluster(shorthand)
     path = _write(tmp_path, cluster_to_toml(spec))
     again = load_cluster_toml(path)
-    assert again.node_kinds == spec.node_kinds  # the cpu preset's per-op and split-backward overheads included
+    # The cpu preset's per-op, split-backward and host overheads included.
+    assert again.node_kinds == spec.node_kinds
+    hosted = dataclasses.replace(
+        spec,
+        node_kinds=tuple(
+            dataclasses.replace(k, instruction_overhead=1.5e-4, message_overhead=2.5e-4) for k in spec.node_kinds
+        ),
+    )
+    assert load_cluster_toml(_write(tmp_path, cluster_to_toml(hosted))).node_kinds == hosted.node_kinds
     # A calibrated CPU host's busy-receiver slowdown is written and read back too.
     busy = dataclasses.replace(
         spec, node_kinds=tuple(dataclasses.replace(k, busy_receive_slowdown=37.5) for k in spec.node_kinds)
@@ -176,6 +184,14 @@ _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
         (
             'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nsplit_backward_per_byte = -1\n',
             "device_kinds.x.split_backward_per_byte",
+        ),
+        (
+            'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\ninstruction_overhead = -1e-4\n',
+            "device_kinds.x.instruction_overhead",
+        ),
+        (
+            'devices_per_node = 2\ndevice = "x"\n[device_kinds.x]\nbase = "cpu"\nmessage_overhead = "fast"\n',
+            "device_kinds.x.message_overhead",
         ),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
         ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from dapple_ir.cli import main
-from dapple_ir.cluster.spec import DEFAULT_LINKS, DeviceKind
+from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, DeviceKind
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.commands.calibrate import fit_efficiency, fit_split_price
+from dapple_ir.errors import RuntimeFailure
 
 
 def test_fit_efficiency_is_roofline_over_measured(tmp_path: Path) -> None:
@@ -74,6 +75,11 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 0.0 <= cpu.split_backward_overhead < 0.1 and 0.0 <= cpu.split_backward_per_byte < 1e-6
     assert (cpu.split_backward_overhead != 0.0) == ("split_backward_overhead" in out.read_text())
     assert (cpu.split_backward_per_byte != 0.0) == ("split_backward_per_byte" in out.read_text())
+    # And the runtime's own host time per instruction and per message, from a real 2-rank run: some host work
+    # there always is, and far less than a second.
+    assert 0.0 < cpu.instruction_overhead + cpu.message_overhead < 0.1
+    assert cpu.instruction_overhead >= 0.0 and cpu.message_overhead >= 0.0
+    assert (cpu.instruction_overhead != 0.0) == ("instruction_overhead" in out.read_text())
 
 
 def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,14 +114,24 @@ def test_the_split_price_is_the_line_through_the_widths() -> None:
     assert fit_split_price([(1e5, 0.0), (1e6, 9e-4)]) == pytest.approx((0.0, 1e-9))
 
 
-def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str]) -> None:
+def test_neighbours_run_the_same_work_and_stop(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CPU ranks share the machine: `--devices 2` measures one rank while another does the same work."""
     import threading
     import time
 
     import torch
 
+    from dapple_ir.commands import calibrate
     from dapple_ir.frontend.measure import _busy
+
+    # The runtime's host time is a run of its own (test_calibrate_writes_a_usable_cluster runs it); here it fails,
+    # and calibrate keeps the preset's figures with a note.
+    def fails(device: str, ranks: int) -> tuple[float, float]:
+        raise RuntimeFailure("rank 1 could not start")
+
+    monkeypatch.setattr(calibrate, "measure_host_time", fails)
 
     calls = [0, 0]
     before = threading.active_count()
@@ -131,6 +147,8 @@ def test_neighbours_run_the_same_work_and_stop(capsys: pytest.CaptureFixture[str
     assert torch.get_num_threads() == threads
     err = capsys.readouterr().err
     assert "GFLOP/s per rank (" in err and " alone)" in err  # both figures, the shared one first
+    assert "host time was not measured (rank 1 could not start); keeping the preset's" in err
+    assert f"host {PRESETS['cpu'].instruction_overhead * 1e6:.0f} us per instruction" in err
 
 
 def test_a_cpu_rank_gets_its_share_of_the_rate_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,6 +125,38 @@ def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path)
             assert evaluate(problem, cand).iteration_s == pytest.approx(evaluate(bare, cand).iteration_s, rel=1e-12)
 
 
+def test_the_estimate_charges_the_hosts_work_per_instruction_and_message(tmp_path: Path) -> None:
+    """Every stage pays `instruction_overhead` h per compute instruction and `message_overhead` q per send or
+    receive (one each way per neighbouring stage) in every microbatch: on 2 stages each stage's forward and backward
+    are h + q longer, and under zb-h1 each stage's backward is two instructions (the first stage's input pass is
+    empty but runs), 2h + q. Reference: the same
+    estimate with h = q = 0 and those seconds added by hand to the fixed part of each stage's first layer."""
+    module = _chain(tmp_path)
+    plain = resolve_cluster("2xV100-16GB")
+    h, q = 1e-3, 3e-4
+    priced = dataclasses.replace(
+        plain,
+        node_kinds=tuple(dataclasses.replace(k, instruction_overhead=h, message_overhead=q) for k in plain.node_kinds),
+    )
+    problem, bare = problem_from_module(module, priced, 64), problem_from_module(module, plain, 64)
+    stages = (StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,)))
+    for schedule in ("1f1b", "gpipe", "zb-h1"):
+        fwd_extra = [h + q, 0.0, h + q, 0.0]
+        calls = 2 if schedule == "zb-h1" else 1
+        bwd_extra = [calls * h + q, 0.0, calls * h + q, 0.0]
+        by_hand = dataclasses.replace(
+            bare,
+            fwd_s=[t + x for t, x in zip(bare.fwd_s, fwd_extra, strict=True)],
+            fwd_fixed_s=[t + x for t, x in zip(bare.fwd_fixed_s, fwd_extra, strict=True)],
+            bwd_s=[t + x for t, x in zip(bare.bwd_s, bwd_extra, strict=True)],
+            bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, bwd_extra, strict=True)],
+        )
+        for m in (1, 4, 16):
+            cand = Candidate(stages, m, schedule=schedule)
+            assert evaluate(problem, cand).iteration_s == pytest.approx(evaluate(by_hand, cand).iteration_s, rel=1e-12)
+            assert evaluate(problem, cand).iteration_s > evaluate(bare, cand).iteration_s
+
+
 def test_the_plan_carries_costs_at_its_microbatch_so_simulate_agrees(tmp_path: Path) -> None:
     module = _chain(tmp_path)
     module.attrs.global_batch = 64

@@ -309,6 +309,42 @@ def test_a_split_backward_pays_one_pass_per_weight_op() -> None:
     assert simulate(with_params, cluster=dear).iteration_s >= 4 * (1.0 + 2.0 + 2.0 + 2.0) > 24.0
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 4), (4, 8)])
+def test_the_hosts_time_per_instruction_lengthens_every_computation(kind: str, stages: int, microbatches: int) -> None:
+    """`DeviceKind.instruction_overhead` h on every compute instruction: equal stages of F + h and B + h, so the
+    closed form (M + S - 1)(F + B + 2h)."""
+    f, b, h = 1.0, 2.0, 0.25
+    free = Link(math.inf, 0.0)
+    kind_h = DeviceKind("host", math.inf, {"f32": math.inf}, math.inf, instruction_overhead=h)
+    module = schedule_module(kind, stages, microbatches, fwd_s=f, bwd_s=b)
+    result = simulate(module, cluster=ClusterSpec((kind_h,), stages, free, free))
+    assert result.iteration_s == pytest.approx((microbatches + stages - 1) * (f + b + 2 * h))
+
+
+def test_each_message_costs_the_next_computation() -> None:
+    """`DeviceKind.message_overhead` q: each send and receive since a rank's previous compute instruction is paid
+    on its next one, or on the optimizer step (the runtime hands sends over at the next instruction that is not a
+    send). By hand from the two programs of 1F1B on 2 stages, 3 microbatches (a FREE costs nothing):
+    rank 0: F, send, F, send, recv, B, F, send, recv, B, recv, B, step;
+    rank 1: recv, F, B, send, recv, F, B, send, recv, F, B, send, step. The step itself costs nothing here."""
+    q, h = 0.125, 0.0625
+    module = schedule_module("1f1b", 2, 3, fwd_s=1.0, bwd_s=2.0)
+    free = Link(math.inf, 0.0)
+    priced = DeviceKind("host", math.inf, {"f32": math.inf}, math.inf, instruction_overhead=h, message_overhead=q)
+    result = simulate(module, cluster=ClusterSpec((priced,), 2, free, free))
+    took: dict[int, list[float]] = {0: [], 1: []}
+    for e in result.events():
+        if e.instr.kind in (F, B, InstrKind.OPTIMIZER_STEP):
+            took[e.rank].append(e.end_s - e.start_s)
+    base = {F: 1.0, B: 2.0}
+    messages = {0: [0, 1, 2, 0, 2, 1, 0], 1: [1, 0, 2, 0, 2, 0, 1]}
+    kinds = {0: [F, F, B, F, B, B], 1: [F, B, F, B, F, B]}
+    for r in (0, 1):
+        expected = [base[k] + h + q * n for k, n in zip(kinds[r], messages[r], strict=False)] + [q * messages[r][-1]]
+        assert took[r] == pytest.approx(expected)
+
+
 def test_microbatch_size_scales_compute_time() -> None:
     """Op times describe cost_batch samples: a microbatch of half as many takes half the time."""
     module = schedule_module("1f1b", 2, 4, fwd_s=1.0, bwd_s=2.0, batch=8, microbatch_size=4)

@@ -58,6 +58,22 @@ class DeviceKind:
     """Seconds the same split costs per byte of those ops' parameters: the weight pass touches their gradients again
     after the caches have moved on. Measured with `split_backward_overhead` (a line through three layer widths)."""
 
+    instruction_overhead: float = 0.0
+    """Host seconds the runtime spends per compute instruction (forward, backward, input or weight pass) outside
+    the ops it runs: issuing it, its frees and loads, its own bookkeeping. The simulator and the planner add it to
+    every such instruction. `dapple calibrate` measures it on the runtime itself (`calibrate.measure_host_time`);
+    0 on the GPU presets, whose host runs ahead of the device's kernels."""
+    message_overhead: float = 0.0
+    """Host seconds a point-to-point message costs the rank at each end beyond the transfer: handing a send to the
+    transport, finishing a receive whose data is there (on a CPU, the transport's thread shares the rank's core).
+    Charged to the rank's next compute instruction, which the runtime runs once the sends before it are handed
+    over. Measured with `instruction_overhead`."""
+
+    @property
+    def prices_host(self) -> bool:
+        """Whether the host's own work per instruction or message costs time here."""
+        return bool(self.instruction_overhead or self.message_overhead)
+
     @property
     def prices_split(self) -> bool:
         """Whether a split backward costs more than the whole one here (`split_s` is not always 0)."""
@@ -113,7 +129,10 @@ PRESETS: dict[str, DeviceKind] = {
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
     # dispatch and autograd) on the 2-core dev VM when idle, and for a split backward 120-212 us per
-    # weight op plus 59-100 us per MB of its weights (four readings). Calibrate your machine for its own.
+    # weight op plus 59-100 us per MB of its weights (four readings), and for the runtime's own host work 96-137 us
+    # per compute instruction plus 136-214 us per send or receive (2 ranks training a 256-wide MLP; with it the
+    # planner gives HF GPT-2 tiny on 2 stages 1 microbatch, measured 15-16 ms a step, where without it it chose
+    # zb-h1 with 2, 27-28 ms). Calibrate your machine for its own.
     "cpu": DeviceKind(
         "cpu",
         8 * GB,
@@ -122,6 +141,8 @@ PRESETS: dict[str, DeviceKind] = {
         op_overhead=10e-6,
         split_backward_overhead=150e-6,
         split_backward_per_byte=70e-12,
+        instruction_overhead=110e-6,
+        message_overhead=170e-6,
     ),
 }
 

@@ -19,6 +19,8 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
                                     # (1: own hardware for it; above 1 on a CPU host whose cores all compute)
     split_backward_overhead = 0.0   # seconds a split (zb-h1) backward adds per op with parameters
     split_backward_per_byte = 0.0   # and per byte of those ops' parameters
+    instruction_overhead = 0.0      # host seconds per compute instruction, outside its ops
+    message_overhead = 0.0          # host seconds per send or receive, at each end
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -71,6 +73,14 @@ _TOP_KEYS = {
     "network",
     "efficiency",
 }
+#: A device kind's figures that may be 0 and default to 0 (or the base preset's): what the host's own work and a
+#: split backward cost.
+_PRICE_KEYS = (
+    "split_backward_overhead",
+    "split_backward_per_byte",
+    "instruction_overhead",
+    "message_overhead",
+)
 _KIND_KEYS = {
     "base",
     "memory_bytes",
@@ -78,8 +88,7 @@ _KIND_KEYS = {
     "mem_bandwidth",
     "op_overhead",
     "busy_receive_slowdown",
-    "split_backward_overhead",
-    "split_backward_per_byte",
+    *_PRICE_KEYS,
 }
 _LINK_KEYS = {"bandwidth", "latency"}
 _FABRIC_KEYS = {"kind", "bandwidth", "latency"}
@@ -275,20 +284,14 @@ def _device_kinds(r: _Reader, tables: dict[str, Any]) -> dict[str, DeviceKind]:
                 f"{where}.busy_receive_slowdown",
                 f"is {slowdown:g}; a transfer into a busy device is at most as fast as into a waiting one (>= 1)",
             )
-        split = r.positive(
-            table.get("split_backward_overhead", preset.split_backward_overhead if preset else 0.0),
-            f"{where}.split_backward_overhead",
-            allow_zero=True,
-        )
-        per_byte = r.positive(
-            table.get("split_backward_per_byte", preset.split_backward_per_byte if preset else 0.0),
-            f"{where}.split_backward_per_byte",
-            allow_zero=True,
-        )
+        # Host and split prices: seconds, 0 allowed, a preset's figure where the table leaves them out.
+        priced = {
+            key: r.positive(table.get(key, getattr(preset, key) if preset else 0.0), f"{where}.{key}", allow_zero=True)
+            for key in _PRICE_KEYS
+        }
         kinds[name] = DeviceKind(
-            name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown,
-            split_backward_overhead=split, split_backward_per_byte=per_byte,
-        )  # fmt: skip
+            name, memory, flops, bandwidth, op_overhead=overhead, busy_receive_slowdown=slowdown, **priced
+        )
     return kinds
 
 
@@ -367,10 +370,9 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
             lines.append(f"op_overhead = {kind.op_overhead!r}")
         if kind.busy_receive_slowdown != 1.0:
             lines.append(f"busy_receive_slowdown = {kind.busy_receive_slowdown!r}")
-        if kind.split_backward_overhead:
-            lines.append(f"split_backward_overhead = {kind.split_backward_overhead!r}")
-        if kind.split_backward_per_byte:
-            lines.append(f"split_backward_per_byte = {kind.split_backward_per_byte!r}")
+        for key in _PRICE_KEYS:
+            if getattr(kind, key):
+                lines.append(f"{key} = {getattr(kind, key)!r}")
     lines += ["", "[fabric]", f"kind = {_toml_str(spec.fabric)}"]
     lines += [f"bandwidth = {spec.intra.bandwidth!r}", f"latency = {spec.intra.latency!r}"]
     lines += ["", "[network]", f"cards = {spec.cards}"]

@@ -8,12 +8,13 @@ import json
 import socket
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from dapple_ir.cluster.roofline import line_fit, roofline_times
-from dapple_ir.cluster.spec import DEFAULT_LINKS, ClusterSpec, DeviceKind
+from dapple_ir.cluster.spec import DEFAULT_LINKS, PRESETS, ClusterSpec, DeviceKind
 from dapple_ir.cluster.toml_file import cluster_to_toml
-from dapple_ir.errors import DappleError
+from dapple_ir.errors import DappleError, RuntimeFailure
 
 #: Efficiencies are clamped to this range: a class measured far below its roofline (tiny CPU ops
 #: dominated by Python overhead) still gets a usable figure.
@@ -68,8 +69,24 @@ def run(args: argparse.Namespace) -> int:
         inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
     # Timed with the runtime's own split of a backward.
     split, per_byte = fit_split_price(measure_split_overhead(args.device, devices))
-    kind = dataclasses.replace(kind, split_backward_overhead=split, split_backward_per_byte=per_byte)
-    solo = dataclasses.replace(solo, split_backward_overhead=split, split_backward_per_byte=per_byte)
+    # Timed on the runtime itself, training a small MLP on this device's ranks.
+    try:
+        instruction, message = measure_host_time(args.device, devices)
+    except RuntimeFailure as exc:  # a machine whose ranks cannot run keeps the preset's figures
+        preset = PRESETS.get(kind.name)  # `cpu`; a GPU's host runs ahead of its kernels: 0
+        instruction, message = (preset.instruction_overhead, preset.message_overhead) if preset else (0.0, 0.0)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"calibrate: the runtime's host time was not measured ({reason}); keeping the preset's", file=sys.stderr)
+    kind, solo = (
+        dataclasses.replace(
+            k,
+            split_backward_overhead=split,
+            split_backward_per_byte=per_byte,
+            instruction_overhead=instruction,
+            message_overhead=message,
+        )
+        for k in (kind, solo)
+    )
     if args.fit and len(args.fit) > 1:
         # Measured in the model's own ops rather than in a loop of tiny ones: it replaces the tiny-op figure.
         fixed = fit_fixed_s(args.fit)
@@ -91,12 +108,59 @@ def run(args: argparse.Namespace) -> int:
         f"memory {kind.mem_bandwidth / 1e9:.1f} GB/s, {kind.op_overhead * 1e6:.1f} us per op call, "
         f"a split backward {kind.split_backward_overhead * 1e6:.0f} us per weight op "
         f"+ {kind.split_backward_per_byte * 1e12:.0f} us per MB of its weights, "
+        f"the runtime's host {kind.instruction_overhead * 1e6:.0f} us per instruction "
+        f"+ {kind.message_overhead * 1e6:.0f} us per message, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
         f"efficiency: {fitted} -> {args.output}",
         file=sys.stderr,
     )
     return 0
+
+
+def measure_host_time(device: str, ranks: int) -> tuple[float, float]:
+    """(`instruction_overhead`, `message_overhead`) on `device` with `ranks` ranks, measured on the runtime:
+    `host_time.TIMING_MLP` compiled to `ranks` 1F1B stages (one stage and no messages on one rank), trained for
+    `TIMING_STEPS` steps with `dapple run` (torchrun: one process per rank, gloo on a CPU), and the host time before
+    each compute instruction of the steps after `TIMING_WARMUP` (`host_time.host_samples`) fitted
+    (`fit_host_time`). Raises `RuntimeFailure` where the ranks cannot run."""
+    import tempfile
+
+    import dapple_ir
+    from dapple_ir.backends.torch import host_time
+
+    _width, _depth, rows, microbatches = host_time.TIMING_MLP
+    with tempfile.TemporaryDirectory(prefix="dapple-host-time-") as tmp:
+        plan = Path(tmp) / "plan"
+        dapple_ir.compile(
+            f"{host_time.__name__}:timing_model", cluster=f"{ranks}x{'cpu' if device == 'cpu' else 'H100'}",
+            global_batch=rows * microbatches, stages=ranks, microbatches=microbatches, schedule="1f1b",
+            optimizer="sgd", out_dir=plan,
+        )  # fmt: skip
+        run_dir = Path(tmp) / "run"
+        dapple_ir.run(plan, steps=host_time.TIMING_STEPS, device=device, run_dir=run_dir, timeout=60.0)
+        reports = [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank_*.json"))]
+    return fit_host_time([s for report in reports for s in host_time.host_samples(report, host_time.TIMING_WARMUP)])
+
+
+def fit_host_time(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per compute instruction, seconds per message) from (messages before an instruction, its host
+    seconds) samples: the least-squares line (`roofline.line_fit`) through the median at each message count (the
+    median: a core taken away now and then by another process is not the runtime's work). Neither part is below 0:
+    a line falling with the messages is read as a constant per instruction; one with a negative intercept as a
+    price per message only."""
+    if not samples:
+        return 0.0, 0.0
+    counts = sorted({k for k, _ in samples})
+    points = [(float(k), median(h for j, h in samples if j == k)) for k in counts]
+    if len(points) == 1:
+        return max(0.0, points[0][1]), 0.0
+    fixed, per_message = line_fit(points)
+    if per_message <= 0:
+        return max(0.0, median(h for _, h in samples)), 0.0
+    if fixed < 0:
+        return 0.0, median(h / k for k, h in samples if k > 0)
+    return fixed, per_message
 
 
 def fit_split_price(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -583,6 +583,11 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
             bwd += fwd  # the forward reruns before the backward
         if cand.schedule == "zb-h1" and s > 0:
             bwd += split_s(problem, st)
+        # The host's own work per microbatch: each compute instruction (zb-h1 runs a backward as two, the first
+        # stage's too: an empty input pass), and a message each way per neighbouring stage.
+        neighbours = (s > 0) + (s < n - 1)
+        fwd += host_s(problem, st, 1, neighbours)
+        bwd += host_s(problem, st, 1 + (cand.schedule == "zb-h1"), neighbours)
         per_replica = m if cand.splits(s) else -(-m // st.replicas)
         busy = per_replica * (fwd + bwd)
         c = 0.0
@@ -626,6 +631,15 @@ def split_s(problem: Problem, st: StageChoice) -> float:
     return max(problem.cluster.device(d).split_s(ops, nbytes) for d in st.devices)
 
 
+def host_s(problem: Problem, st: StageChoice, instructions: int, messages: int) -> float:
+    """The host's own seconds for `instructions` compute instructions of stage `st` and `messages` sends and
+    receives around them, on its slowest device (`DeviceKind.instruction_overhead`, `message_overhead`)."""
+    return max(
+        (kind := problem.cluster.device(d)).instruction_overhead * instructions + kind.message_overhead * messages
+        for d in st.devices
+    )
+
+
 def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     """`evaluate` for V > 1 virtual stages per device group (Megatron's interleaved 1F1B).
 
@@ -645,8 +659,10 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     act = [(problem.pa[st.hi] - problem.pa[st.lo]) * b / problem.cost_batch for st in cand.stages]
     for k, st in enumerate(cand.stages):
         g = k % p
-        work[g] += pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo]
-        bwd[g] += pb[st.hi] - pb[st.lo]
+        # A chunk's forward and backward instructions and a message each way per neighbouring stage.
+        host = host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1)))
+        work[g] += pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host
+        bwd[g] += pb[st.hi] - pb[st.lo] + host / 2
         static[g] += problem.ps[st.hi] - problem.ps[st.lo]
         stage_grads = problem.pg[st.hi] - problem.pg[st.lo]
         _add(loads, ring_crossings(network, st.devices), ring_step_bytes(stage_grads, st.replicas))
@@ -666,7 +682,10 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     # uneven chunks a round waits for its slowest chunk (the lockstep bound, `rounds`), though the 1F1B
     # phase lets a group run ahead by a round or so: the pace lies between the busiest group's sum and
     # that bound, and the simulated profiles sit near the middle.
-    chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] for st in cand.stages]
+    chunk = [
+        pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1)))
+        for k, st in enumerate(cand.stages)
+    ]
     rounds = (max(work) + sum(max(chunk[c * p : (c + 1) * p]) for c in range(cand.virtual))) / 2
     for g in range(p - 1, -1, -1):
         devices = cand.stages[g].devices

@@ -533,11 +533,12 @@ def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple
     options: list[Candidate] = []
     allowed = RECOMPUTE_SCHEDULES if any(cand.recompute) else ("1f1b", "gpipe", "zb-h1")
     if req.microbatches is None:
-        # Where the cluster prices zb-h1's split backward, with each schedule: whether zb-h1 wins then moves
-        # with the microbatch count (its split costs per microbatch, its bubble shrinks with more of them),
+        # Where the cluster prices zb-h1's split backward or the host's work per instruction, with each schedule:
+        # whether zb-h1 wins then moves with the microbatch count (its split and its extra instruction cost per
+        # microbatch, its bubble shrinks with more of them),
         # and a climb that changes one at a time stops short. Elsewhere one at a time (each move is a
         # simulation: every schedule at both counts made the search 1.5x slower on the published profiles).
-        priced = any(k.prices_split for k in problem.cluster.node_kinds)
+        priced = any(k.prices_split or k.prices_host for k in problem.cluster.node_kinds)
         schedules = (
             [cand.schedule, *(k for k in allowed if k != cand.schedule)] if req.schedule is None and priced else []
         )

@@ -50,6 +50,10 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
 - `load_microbatch` and `free` take no time.
+- the host's own work (`host_s`): every compute instruction also takes the device kind's
+  `instruction_overhead`, and it or the optimizer step, whichever comes next, `message_overhead` for
+  each send and receive the rank ran since its previous one (the runtime hands queued sends over at
+  the next instruction that is not a send). Both 0 on the GPU presets; `dapple calibrate` measures them.
 
 Sharing rule: transfers and allreduce steps in flight at the same time share the links they cross
 (switch ports, a node's bus, network cards). Each link's bandwidth is split equally among the flows
@@ -376,6 +380,10 @@ class _Simulator:
                 self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
                 self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
         self.hosted = [hosted_stages(module, p) for p in module.programs]
+        kinds = [cluster.device(d) for d in self.devices]
+        # Per rank and instruction, the host's own seconds (`host_s`); None where no device prices them.
+        priced = any(kind.prices_host for kind in kinds)
+        self.host = [host_s(p, kind) for p, kind in zip(module.programs, kinds, strict=True)] if priced else None
         # Per receiving rank, how much slower a transfer into it moves while it computes; None where none is.
         slowdowns = [cluster.device(d).busy_receive_slowdown for d in self.devices]
         self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
@@ -491,6 +499,7 @@ class _Simulator:
             self.push(0.0, _RESUME, r)
         fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
         replayed = replay or None  # none: the hot loop skips the lookup
+        host = self.host
         sharing, owners = self.sharing, self.owners
         heappush, heappop = heapq.heappush, heapq.heappop
         # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
@@ -625,6 +634,8 @@ class _Simulator:
                     st[i] = en[i] = t
                     i += 1
                     continue
+                if host is not None:
+                    d += host[r][i]
                 if replayed is not None:
                     d = replayed.get((r, i), d)
                 st[i] = t
@@ -819,6 +830,22 @@ def _durations(
         ops = weight_ops(module, stage)
         split = kind.split_s(len(ops), module.param_bytes_of(ops))
     return fwd, bwd + rerun, bwd * f + rerun, bwd * (1.0 - f) + split
+
+
+def host_s(program: RankProgram, kind: DeviceKind) -> list[float]:
+    """Per instruction of `program`, the host's own seconds the runtime spends before its work on `kind`: a compute
+    instruction's `instruction_overhead`, and on it or on the optimizer step, whichever comes next, `message_overhead`
+    for each send and receive since the previous one (the runtime hands sends over at the next instruction that is
+    not a send; a receive whose data is there still costs its finish). 0 for every other kind."""
+    seconds = [0.0] * len(program.instrs)
+    messages = 0
+    for i, instr in enumerate(program.instrs):
+        if instr.kind in (InstrKind.SEND, InstrKind.RECV):
+            messages += 1
+        elif instr.kind in COMPUTE_STREAM_KINDS:
+            own = kind.instruction_overhead if instr.kind is not InstrKind.OPTIMIZER_STEP else 0.0
+            seconds[i], messages = own + messages * kind.message_overhead, 0
+    return seconds
 
 
 def _landing(began: float, work: float, busy: list[tuple[float, float]], slowdown: float) -> float:

@@ -1,0 +1,57 @@
+"""The host's own time per instruction and per message, read off the runtime's spans
+(`backends/torch/host_time.py`) and fitted (`commands/calibrate.fit_host_time`); `dapple calibrate` writes it
+(tests/test_costs_calibrate.py runs the real measurement)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dapple_ir.backends.torch.host_time import host_samples
+from dapple_ir.commands.calibrate import fit_host_time
+
+
+def _span(kind: str, start: float, end: float) -> dict[str, Any]:
+    return {"kind": kind, "start_s": start, "end_s": end}
+
+
+def test_host_samples_count_the_gaps_and_the_messages_before_each_computation() -> None:
+    """By hand, one step (step 0 is warm-up and left out). Receive spans 0.1 (data there) and 5.0 (a wait): the
+    10th percentile, 0.1, is what a receive costs the host, the rest of the 5.0 waiting. Rank's step 1 from 10.0:
+    load 10.0-10.2, forward 10.3-11.3 (host: 0.2 load + 0.1 gap + 0 before = 0.3, 0 messages); send 11.3-11.4,
+    recv 11.5-11.6, backward 11.7-13.7 (host 0.1 send + 0.1 gap + 0.1 recv + 0.1 gap = 0.4, 2 messages); recv
+    13.8-18.8, forward 18.9-19.9 (host 0.1 gap + 0.1 of the receive + 0.1 gap = 0.3, 1 message); optimizer step
+    19.9-20.0, then send 20.1-20.2 and backward 20.2-22.2 (the step's own time is not host work, the gap after it
+    is: 0.1 + 0.1 = 0.2, 1 message)."""
+    step1 = [
+        _span("load_microbatch", 10.0, 10.2),
+        _span("forward", 10.3, 11.3),
+        _span("send", 11.3, 11.4),
+        _span("recv", 11.5, 11.6),
+        _span("backward", 11.7, 13.7),
+        _span("recv", 13.8, 18.8),
+        _span("forward", 18.9, 19.9),
+        _span("optimizer_step", 19.9, 20.0),
+        _span("send", 20.1, 20.2),
+        _span("backward", 20.2, 22.2),
+    ]
+    step0 = [_span("recv", 0.5, 0.6), _span("forward", 0.6, 5.0)]
+    report = {"spans": step0 + step1, "step_times": {"0": [0.0, 5.0], "1": [10.0, 22.5]}}
+    assert [k for k, _ in host_samples(report, warmup=1)] == [0, 2, 1, 1]
+    assert [h for _, h in host_samples(report, warmup=1)] == pytest.approx([0.3, 0.4, 0.3, 0.2])
+    assert len(host_samples(report, warmup=0)) == 5  # step 0's forward too
+
+
+def test_the_fit_is_the_line_through_the_medians_at_each_message_count() -> None:
+    """Planted: h = 150 us + 200 us per message, with an outlier at each count that a median ignores."""
+    a, b = 150e-6, 200e-6
+    samples = [(k, a + b * k) for k in (0, 1, 2) for _ in range(5)] + [(k, 1.0) for k in (0, 1, 2)]
+    assert fit_host_time(samples) == pytest.approx((a, b))
+    # One message count (a single rank: no messages): all of it is the instruction's.
+    assert fit_host_time([(0, a), (0, a), (0, 3 * a)]) == pytest.approx((a, 0.0))
+    # A line falling with the messages: a constant per instruction, the median.
+    assert fit_host_time([(0, 3 * a), (1, 2 * a), (2, a)]) == pytest.approx((2 * a, 0.0))
+    # A negative intercept: a price per message only, the median of h / k.
+    assert fit_host_time([(0, 0.0), (1, b), (2, 3 * b), (2, 3 * b)]) == pytest.approx((0.0, 1.5 * b))
+    assert fit_host_time([]) == (0.0, 0.0)
