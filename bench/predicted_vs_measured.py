@@ -51,6 +51,22 @@ def calibrate(spec: str, devices: int, work: Path) -> Path:
     return toml
 
 
+def calibrated(cluster: Path) -> str:
+    """What `dapple calibrate` measured, as the predictions use it."""
+    from dapple_ir.cluster.toml_file import load_cluster_toml
+
+    spec = load_cluster_toml(str(cluster))
+    kind = spec.node_kinds[0]
+    efficiency = ", ".join(f"{k} {v:.2f}" for k, v in sorted(spec.efficiency.items()))
+    return (
+        f"{kind.flops('f32') / 1e9:.0f} GFLOP/s f32 ({efficiency}), {kind.op_overhead * 1e6:.0f} us per op call, "
+        f"host {kind.instruction_overhead * 1e6:.0f} us per instruction + {kind.message_overhead * 1e6:.0f} us per "
+        f"message, split {kind.split_backward_overhead * 1e6:.0f} us per weight op + "
+        f"{kind.split_backward_per_byte * 1e12:.0f} us per MB, link {spec.intra.latency * 1e6:.0f} us + "
+        f"{spec.intra.bandwidth / 1e9:.2f} GB/s, busy receiver {kind.busy_receive_slowdown:.3g}x"
+    )
+
+
 def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> float:
     """Compile one plan; its simulated iteration time."""
     import dapple_ir
@@ -112,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         try:
             cluster = calibrate(spec, 2, work)
+            measured_by_calibrate = calibrated(cluster)
         except Exception as exc:
             table.add("-", "-", "-", "-", unavailable(str(exc).splitlines()[0][:160]), "-", "-", "-")
             report.print()
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add(*head, predicted[i], meas, predicted[i] / meas, f"{100 * err:+.1f}%")
     table.notes += [
         f"model {Path(spec).name}; microbatch {MICROBATCH}; SGD; cluster from `dapple calibrate --devices 2 --fit` "
-        f"on a `dapple profile` at microbatch {MICROBATCH} with 1 thread.",
+        f"on a `dapple profile` at microbatch {MICROBATCH} with 1 thread: {measured_by_calibrate}.",
         f"measured = global batch / samples/s of `dapple run` (torchrun, gloo), {steps} steps, median of {rounds} "
         "interleaved round(s).",
     ]
