@@ -43,15 +43,21 @@ def test_host_samples_count_the_gaps_and_the_messages_before_each_computation() 
     assert len(host_samples(report, warmup=0)) == 5  # step 0's forward too
 
 
-def test_the_fit_is_the_line_through_the_medians_at_each_message_count() -> None:
-    """Planted: h = 150 us + 200 us per message, with an outlier at each count that a median ignores."""
+def test_the_fit_is_the_least_squares_line_through_the_means() -> None:
+    """Planted: h = 150 us + 200 us per message, each count's samples spread evenly around it: the line comes back.
+    A tail counts in full (the host's time adds up over a step, where a median would drop it)."""
     a, b = 150e-6, 200e-6
-    samples = [(k, a + b * k) for k in (0, 1, 2) for _ in range(5)] + [(k, 1.0) for k in (0, 1, 2)]
+    spread = (-50e-6, 0.0, 50e-6)
+    samples = [(k, a + b * k + d) for k in (0, 1, 2) for d in spread for _ in range(10)]
     assert fit_host_time(samples) == pytest.approx((a, b))
-    # One message count (a single rank: no messages): all of it is the instruction's.
-    assert fit_host_time([(0, a), (0, a), (0, 3 * a)]) == pytest.approx((a, 0.0))
-    # A line falling with the messages: a constant per instruction, the median.
+    # At counts 1 and 2 one sample in ten 5 ms longer: their means rise by 0.5 ms, the line through the three means
+    # (weighted alike: the same number of samples at each) by 0.25 ms per message, and its intercept by 1/12 ms.
+    tailed = [(k, h + (5e-3 if k > 0 and i % 10 == 0 else 0.0)) for i, (k, h) in enumerate(samples)]
+    assert fit_host_time(tailed) == pytest.approx((a + 0.5e-3 / 6, b + 0.25e-3))
+    # One message count (a single rank: no messages): all of it is the instruction's, the mean.
+    assert fit_host_time([(0, a), (0, a), (0, 4 * a)]) == pytest.approx((2 * a, 0.0))
+    # A line falling with the messages: a constant per instruction, the mean.
     assert fit_host_time([(0, 3 * a), (1, 2 * a), (2, a)]) == pytest.approx((2 * a, 0.0))
-    # A negative intercept: a price per message only, the median of h / k.
-    assert fit_host_time([(0, 0.0), (1, b), (2, 3 * b), (2, 3 * b)]) == pytest.approx((0.0, 1.5 * b))
+    # A negative intercept: a price per message only, their seconds over their messages.
+    assert fit_host_time([(0, 0.0), (1, b), (2, 3 * b), (2, 3 * b)]) == pytest.approx((0.0, 7 * b / 5))
     assert fit_host_time([]) == (0.0, 0.0)

@@ -129,10 +129,10 @@ PRESETS: dict[str, DeviceKind] = {
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
     # dispatch and autograd) on the 2-core dev VM when idle, and for a split backward 120-212 us per
-    # weight op plus 59-100 us per MB of its weights (four readings), and for the runtime's own host work 96-137 us
-    # per compute instruction plus 136-214 us per send or receive (2 ranks training a 256-wide MLP; with it the
-    # planner gives HF GPT-2 tiny on 2 stages 1 microbatch, measured 15-16 ms a step, where without it it chose
-    # zb-h1 with 2, 27-28 ms). Calibrate your machine for its own.
+    # weight op plus 59-100 us per MB of its weights (four readings), and for the runtime's own host work 283-308 us
+    # per compute instruction plus 114-160 us per send or receive (five readings, 2 ranks training a 256-wide MLP;
+    # with it the planner gives HF GPT-2 tiny on 2 stages 1 microbatch, measured 11-16 ms a step, where without it
+    # it chose zb-h1 with 2, 27-28 ms). Calibrate your machine for its own.
     "cpu": DeviceKind(
         "cpu",
         8 * GB,
@@ -141,8 +141,8 @@ PRESETS: dict[str, DeviceKind] = {
         op_overhead=10e-6,
         split_backward_overhead=150e-6,
         split_backward_per_byte=70e-12,
-        instruction_overhead=110e-6,
-        message_overhead=170e-6,
+        instruction_overhead=290e-6,
+        message_overhead=120e-6,
     ),
 }
 
