@@ -573,9 +573,11 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int) -> list[RankCosts]:
 
 
 def _receive_floor(report: dict[str, Any]) -> float:
-    """What a receive (or allreduce) costs the rank when its data is already there: its 10th-percentile span."""
-    waits = sorted(sp["end_s"] - sp["start_s"] for sp in report["spans"] if sp["kind"] in WAITS)
-    return waits[len(waits) // 10] if waits else 0.0
+    """What a receive (or allreduce) costs the rank when its data is already there: its 10th-percentile span
+    (`host_time.receive_floor`, the figure `dapple calibrate` reads the runtime's host time with)."""
+    from dapple_ir.backends.torch.host_time import receive_floor
+
+    return receive_floor(report)
 
 
 def waiting_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankCosts]) -> list[float]:

@@ -46,8 +46,7 @@ def host_samples(report: dict[str, Any], warmup: int) -> list[tuple[int, float]]
     the gaps between spans and the spans of everything but compute, a receive's or allreduce's only up to what it
     costs when its data is there (the rank's 10th-percentile such span): beyond that the rank waited for a peer."""
     spans = report["spans"]
-    waits = sorted(sp["end_s"] - sp["start_s"] for sp in spans if sp["kind"] in WAITS)
-    floor = waits[len(waits) // 10] if waits else 0.0
+    floor = receive_floor(report)
     samples = []
     for step in sorted(int(k) for k in report["step_times"])[warmup:]:
         start, end = report["step_times"][str(step)]
@@ -67,6 +66,13 @@ def host_samples(report: dict[str, Any], warmup: int) -> list[tuple[int, float]]
             host += min(length, floor) if sp["kind"] in WAITS else length
             messages += sp["kind"] in MESSAGES
     return samples
+
+
+def receive_floor(report: dict[str, Any]) -> float:
+    """What a receive (or allreduce) costs a rank when its data is already there: the 10th percentile of its
+    spans of those kinds in the report (`rank_<r>.json`); beyond it, the rank waited for a peer."""
+    waits = sorted(sp["end_s"] - sp["start_s"] for sp in report["spans"] if sp["kind"] in WAITS)
+    return waits[len(waits) // 10] if waits else 0.0
 
 
 def _start(span: dict[str, Any]) -> float:

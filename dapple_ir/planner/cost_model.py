@@ -657,12 +657,14 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     loads: dict[int, float] = {}
     work, bwd, static, cut_s = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
     act = [(problem.pa[st.hi] - problem.pa[st.lo]) * b / problem.cost_batch for st in cand.stages]
+    # Each chunk's own work per microbatch: its ops, its forward and backward instructions and a message each way
+    # per neighbouring stage.
+    host = [host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1))) for k, st in enumerate(cand.stages)]
+    chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host[k] for k, st in enumerate(cand.stages)]
     for k, st in enumerate(cand.stages):
         g = k % p
-        # A chunk's forward and backward instructions and a message each way per neighbouring stage.
-        host = host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1)))
-        work[g] += pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host
-        bwd[g] += pb[st.hi] - pb[st.lo] + host / 2
+        work[g] += chunk[k]
+        bwd[g] += pb[st.hi] - pb[st.lo] + host[k] / 2
         static[g] += problem.ps[st.hi] - problem.ps[st.lo]
         stage_grads = problem.pg[st.hi] - problem.pg[st.lo]
         _add(loads, ring_crossings(network, st.devices), ring_step_bytes(stage_grads, st.replicas))
@@ -682,10 +684,6 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     # uneven chunks a round waits for its slowest chunk (the lockstep bound, `rounds`), though the 1F1B
     # phase lets a group run ahead by a round or so: the pace lies between the busiest group's sum and
     # that bound, and the simulated profiles sit near the middle.
-    chunk = [
-        pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1)))
-        for k, st in enumerate(cand.stages)
-    ]
     rounds = (max(work) + sum(max(chunk[c * p : (c + 1) * p]) for c in range(cand.virtual))) / 2
     for g in range(p - 1, -1, -1):
         devices = cand.stages[g].devices

@@ -531,6 +531,7 @@ class _Simulator:
                 self.start_transfer(now, self.deferred.pop(r))
                 continue
             instrs, st, en = programs[r].instrs, starts[r], ends[r]
+            own_host = host[r] if host is not None else None
             posts_of = post_at[r]
             i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
             while i < limit:
@@ -634,8 +635,8 @@ class _Simulator:
                     st[i] = en[i] = t
                     i += 1
                     continue
-                if host is not None:
-                    d += host[r][i]
+                if own_host is not None:
+                    d += own_host[i]
                 if replayed is not None:
                     d = replayed.get((r, i), d)
                 st[i] = t
