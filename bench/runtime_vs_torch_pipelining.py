@@ -60,6 +60,7 @@ sys.path.insert(0, str(BENCH))
 
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
+from dapple_ir.backends.torch.cores import pin_rank, set_cores  # noqa: E402
 from dapple_ir.cluster.spec import MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link  # noqa: E402
 from dapple_ir.ir.parser import parse_module  # noqa: E402
 
@@ -75,10 +76,11 @@ MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2}
 #: (size, processes, schedule) of the cases also run without early receive posts, without reused receive
 #: buffers and with the memory meter on every step (the ablation table).
-ABLATED = {("bench", 4, "1f1b"), ("gpt", 2, "1f1b")}
+ABLATED = {("bench", 4, "1f1b"), ("bench", 2, "interleaved"), ("gpt", 2, "1f1b")}
 #: The ablation's sides: ours without early receive posts; ours receiving into a new buffer every time; ours
-#: counting the held bytes after every instruction of every step (`Runtime`'s `meter_steps`).
-ABLATIONS = ("bare", "fresh", "metered")
+#: counting the held bytes after every instruction of every step (`Runtime`'s `meter_steps`); ours with each rank
+#: wherever the OS puts it (the worker's `--no-pin`).
+ABLATIONS = ("bare", "fresh", "metered", "unpinned")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ class Config:
     """False: every receive into a new buffer (the worker's `--fresh-buffers`), for the ablation."""
     meter_every_step: bool = False
     """True: the memory meter on every step (the worker's `--meter-every-step`), for the ablation."""
+    pin_cores: bool = True
+    """False: our ranks wherever the OS puts them (the worker's `--no-pin`), for the ablation. torch's ranks are
+    pinned as ours are (`cores.pin_rank`): the launcher's choice, not the pipeline's."""
 
 
 # ----------------------------------------------------------------------------- torch side (rank)
@@ -183,6 +188,8 @@ def torch_rank(cfg: Config, cuts: dict[str, str], out_dir: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":  # as our worker pins its CPU ranks, before gloo starts its threads
+        pin_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -282,6 +289,8 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
 
     cfg = Config(**payload["cfg"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Each run pins the process as its side would (or not): every run starts from the cores it was given.
+    given = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     # torchrun's own store: rank 0 says whether another pair fits the budget, and every rank hears the same.
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
@@ -297,6 +306,7 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
             out = out_dir / f"{k}-{side['name']}"
             out.mkdir(exist_ok=True)
             _fresh_peak()
+            set_cores(given)
             # A fresh rendezvous for each run: a process group initialised again on torchrun's store would find the
             # previous run's keys there (gloo would dial its closed sockets). Rank 0 hosts a new store on a free port.
             key = f"dapple-bench/port-{k}-{side['name']}"
@@ -312,6 +322,7 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
                     early_posts=side["name"] != "bare",
                     reuse_buffers=side["name"] != "fresh",
                     meter_every_step=side["name"] == "metered",
+                    pin_cores=side["name"] != "unpinned",
                 )
                 dapple_rank(ablated, Path(side["plan"]), out)
 
@@ -336,6 +347,7 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
         device=cfg.device,
         reuse_buffers=cfg.reuse_buffers,
         meter_every_step=cfg.meter_every_step,
+        pin_cores=cfg.pin_cores,
     )
     # The very flags `dapple run` gives the worker it launches; the worker checks the rank files against codegen,
     # which must then also leave the posts out.
@@ -362,8 +374,9 @@ def launch_case(
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Run a case's pairs under one torchrun on 127.0.0.1, every side of a pair in the same rank processes (one
     start-up per case, not per run: it is 10-16 s of a 4-rank launch on 2 cores). `sides` by name: `ours`, `torch`,
-    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers), `metered` (ours
-    with the memory meter on every step). Per side, per pair run, the rank reports in rank order."""
+    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers), `unpinned` (ours
+    with its ranks wherever the OS puts them), `metered` (ours with the memory meter on every step). Per side,
+    per pair run, the rank reports in rank order."""
     out_dir = Path(tempfile.mkdtemp(prefix="case-", dir=work))
     payload = json.dumps(
         {
@@ -840,8 +853,8 @@ def _measured_cluster(mem_bandwidths: list[float], link: Link, slowdown: float =
 def run_case(
     cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False, calibrated: float = 1.0
 ) -> dict[str, Any]:
-    """Pairs of runs, ours then torch's (then, with `ablate`, ours without early receive posts and ours without
-    reused receive buffers), and the figures; `calibrated` is `dapple calibrate`'s busy receiver's slowdown."""
+    """Pairs of runs, ours then torch's (then, with `ablate`, ours without each of `ABLATIONS`' changes), and the
+    figures; `calibrated` is `dapple calibrate`'s busy receiver's slowdown."""
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
     sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
@@ -849,6 +862,7 @@ def run_case(
         sides["bare"] = {"plan": str(plan_without_early_posts(plan_dir))}
         sides["fresh"] = {"plan": str(plan_dir)}
         sides["metered"] = {"plan": str(plan_dir)}
+        sides["unpinned"] = {"plan": str(plan_dir)}
     # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the case
     # runs fewer pairs, never none.
     runs = launch_case(cfg, sides, pairs, deadline, work)
@@ -1041,14 +1055,16 @@ def main(argv: list[str] | None = None) -> int:
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
-        "What early receive posts, reused receive buffers and a meter on two steps buy (ours with every change vs "
-        "ours without one)",
+        "What early receive posts, reused receive buffers, a meter on two steps and pinned ranks buy (ours with "
+        "every change vs ours without one)",
         ["model", "procs", "schedule", "M", "samples/s with all", "waiting % per rank with all",
          "samples/s without early posts", "speed-up from early posts (time without / with)",
          "waiting % per rank without early posts", "samples/s without reused buffers",
          "speed-up from reused buffers (time without / with)", "waiting % per rank without reused buffers",
          "samples/s metering every step", "speed-up from metering two steps (time every / two)",
-         "waiting % per rank metering every step", "same step-0 loss", "pairs"],
+         "waiting % per rank metering every step", "samples/s unpinned",
+         "speed-up from pinning (time unpinned / pinned)", "waiting % per rank unpinned", "same step-0 loss",
+         "pairs"],
     )  # fmt: skip
     report = Report("runtime_vs_torch_pipelining", "Runtime: ours vs torch.distributed.pipelining", [table, ablation])
     ratios: list[float] = []
@@ -1202,7 +1218,10 @@ def main(argv: list[str] | None = None) -> int:
         "as compiled, the CPU memory meter walking every held tensor after every instruction of every step (the "
         "worker's --meter-every-step) where it now does so on the first two steps and reuses the second's figures "
         "(`Runtime`'s `meter_steps`: the program holds the same bytes every step once the first has made the "
-        "gradients and the optimizer state). All run inside each A/B pair of the table above; a speed-up is the "
+        "gradients and the optimizer state); unpinned = the plan as compiled, each rank wherever the OS puts it (the "
+        "worker's --no-pin) where it now runs on a core of its own (`cores.pin_rank`: where the node has a core per "
+        "rank, so the 2-rank cases here; 4 ranks on 2 cores run unpinned either way). All run inside each A/B pair "
+        "of the table above; a speed-up is the "
         "median over pairs of (step time without / with).",
         "the other changes cannot be told apart on CPU/gloo, so they are not measured here: sends issued together "
         "(`Transport.exchange`) are one `batch_isend_irecv` group only on NCCL, on gloo a plain loop of isends "

@@ -12,6 +12,7 @@ also stop the run's other files and raise EFBIG, not ENOSPC.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -365,5 +366,8 @@ def test_worker_flags_carry_every_option_to_the_torchrun_workers(tmp_path: Path)
         check=True,
         save_every=3,
     )
-    args = worker_parser().parse_args(["plan", *worker_flags(options)])
-    assert options_from_args(args, args.optimizer, args.lr, Path(args.run_dir)) == options
+    # Each flag away from its default too: the switches write a flag only then.
+    switched = dataclasses.replace(options, reuse_buffers=False, meter_every_step=True, pin_cores=False)
+    for each in (options, switched):
+        args = worker_parser().parse_args(["plan", *worker_flags(each)])
+        assert options_from_args(args, args.optimizer, args.lr, Path(args.run_dir)) == each

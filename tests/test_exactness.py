@@ -8,6 +8,7 @@ tests that break the runtime on purpose prove the check is not one that always p
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from dapple_ir.backends.torch import random_draws
+from dapple_ir.backends.torch.cores import rank_cores
 from dapple_ir.backends.torch.data import microbatch, synthetic_batch
 from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.random_draws import StageDraws
@@ -359,3 +361,6 @@ def test_unreplicated_batch_norm_over_two_values_is_exact_under_torchrun(tmp_pat
     result = run(plan, steps=3, check=True, transport="torchrun", timeout=60, device="cpu")
     assert result.check is not None and result.check.ok, result.check
     assert result.check.max_loss_diff == 0.0
+    # Exact with each rank pinned to cores of its own where this machine has a core per rank.
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    assert result.cores == [rank_cores(r, 2, usable) if usable else None for r in range(2)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -294,3 +295,35 @@ def test_dapple_run_says_when_ranks_waited_for_a_cpu(
         assert main(["run", str(tmp_path), "--steps", "1"]) == 0
         out = capsys.readouterr().out
         assert ("waited for a CPU (runnable, no core free): rank 0 1%, rank 1 20%" in out) is said, out
+
+
+def test_dapple_run_names_each_ranks_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple_ir.backends.torch import launch
+    from dapple_ir.cli import main
+
+    seen: dict[str, object] = {}
+
+    def measured(cores: list[list[int] | None]) -> Callable[..., launch.RunResult]:
+        def fake(*_a: object, **k: object) -> launch.RunResult:
+            seen.update(k)
+            return launch.RunResult([1.0], 0, 10.0, [1, 1], ["cpu", "cpu"], None, cores=cores)
+
+        return fake
+
+    for cores, said in (
+        ([[0], [1]], "rank 0 0, rank 1 1"),
+        ([[0, 1, 2, 3], [4, 6]], "rank 0 0-3, rank 1 4,6"),
+        ([None, None], None),
+    ):
+        monkeypatch.setattr(launch, "run", measured(cores))
+        assert main(["run", str(tmp_path), "--steps", "1"]) == 0
+        out = capsys.readouterr().out
+        assert seen["pin"] is True
+        line = [ln for ln in out.splitlines() if ln.startswith("CPU cores")]
+        assert line == (
+            [f"CPU cores (each rank pinned to its own; --no-pin leaves them to the OS): {said}"] if said else []
+        )
+    assert main(["run", str(tmp_path), "--steps", "1", "--no-pin"]) == 0
+    assert seen["pin"] is False

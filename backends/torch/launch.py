@@ -114,6 +114,9 @@ class RunResult:
     cpu_waits: list[float | None] = field(default_factory=list)
     """Per rank, the share of the timed steps it spent runnable but waiting for a CPU (`Span.queued_s`); None
     where the system does not say. Large where ranks outnumber the cores they share."""
+    cores: list[list[int] | None] = field(default_factory=list)
+    """Per rank, the CPU cores it was pinned to (`cores.pin_rank`); None where it was not (CUDA, threads, `pin`
+    off, fewer cores than ranks on its node)."""
 
 
 _P = ParamSpec("_P")
@@ -154,12 +157,14 @@ def run(
     run_dir: str | Path | None = None,
     listen_host: str | None = None,
     save_every: int | None = None,
+    pin: bool = True,
 ) -> RunResult:
     """Train the plan in `plan_dir` for `steps` optimizer steps; see the module docstring.
 
     `listen_host` is the address the rendezvous store and the ranks' sockets bind: loopback by default,
     with `rdzv_endpoint` the address this machine reaches the endpoint from. SIGINT or SIGTERM stops
-    every process of the run and raises `Interrupted`.
+    every process of the run and raises `Interrupted`. `pin`: under torchrun, each CPU rank runs on cores of its
+    own where the node has a core for every rank (`cores.pin_rank`).
     """
     if steps < 1:
         raise DappleError(f"steps must be at least 1, not {steps}")
@@ -178,6 +183,7 @@ def run(
         device=_pick_device(device, transport, plan.ranks // max(nnodes, 1)),
         check=check,
         save_every=save_every,
+        pin_cores=pin,
     )
     if transport not in ("threads", "torchrun"):
         raise DappleError(f"unknown transport '{transport}'; choose torchrun or threads")
@@ -890,6 +896,7 @@ def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int,
         grads={r: state["grads"] for r, state in states.items()},
         sites=_sites_in_graph_order(plan, states),
         cpu_waits=[_cpu_wait(reports[r], [windows[k] for k in timed]) for r in sorted(reports)],
+        cores=[reports[r].get("cores") for r in sorted(reports)],
     )
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dapple_ir.backends.torch import checkpoint
 from dapple_ir.backends.torch.codegen import rank_sources
+from dapple_ir.backends.torch.cores import pin_rank
 from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
 from dapple_ir.backends.torch.runtime import DEFAULT_LR, METERED_STEPS, OPTIMIZERS, Runtime, StepData
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
@@ -65,6 +66,9 @@ class RunOptions:
     """Receive into buffers kept per shape and reused once free (`ReceiveBuffers`); False: a new one per receive."""
     meter_every_step: bool = False
     """CPU: count the held bytes after every instruction of every step, not only of the first `METERED_STEPS`."""
+    pin_cores: bool = True
+    """CPU: each local rank on a block of cores of its own where there are as many cores as local ranks
+    (`cores.pin_rank`); False: wherever the OS puts it."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -500,6 +504,11 @@ def resolve_optimizer(plan: Plan, optimizer: str | None, lr: float | None) -> tu
     return name, float(lr)
 
 
+def pin_cpu(options: RunOptions) -> bool:
+    """Whether a torchrun rank pins itself to cores of its own (`cores.pin_rank`): CPU ranks, unless told not to."""
+    return options.pin_cores and options.device == "cpu"
+
+
 def worker_flags(options: RunOptions) -> list[str]:
     """The command-line flags of `main` that reproduce `options`."""
     flags = [f"--steps={options.steps}", f"--optimizer={options.optimizer}", f"--lr={options.lr!r}"]
@@ -510,6 +519,7 @@ def worker_flags(options: RunOptions) -> list[str]:
     flags += ["--check"] if options.check else []
     flags += [] if options.reuse_buffers else ["--fresh-buffers"]
     flags += ["--meter-every-step"] if options.meter_every_step else []
+    flags += [] if options.pin_cores else ["--no-pin"]
     return flags
 
 
@@ -539,6 +549,9 @@ def worker_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="CPU: count the bytes held after every instruction of every step (default: the first two steps)",
     )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="CPU: leave the rank wherever the OS puts it (default: its own cores)"
+    )
     return parser
 
 
@@ -557,6 +570,7 @@ def options_from_args(args: argparse.Namespace, optimizer: str, lr: float, run_d
         save_every=args.save_every,
         reuse_buffers=not args.fresh_buffers,
         meter_every_step=args.meter_every_step,
+        pin_cores=not args.no_pin,
     )
 
 
@@ -597,6 +611,8 @@ def _run_torchrun_rank(
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # Before gloo and torch start their threads, which then inherit the rank's cores.
+    cores = pin_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world))) if pin_cpu(options) else None
     if options.save:  # the launcher checked the whole --resume checkpoint; each rank checks its file as it loads
         checkpoint.check_save_dir(Path(options.save))
     prepared = prepare_model(plan)
@@ -613,6 +629,7 @@ def _run_torchrun_rank(
             heartbeat.set("finishing")
         transport.finish(options.timeout)
         report["recv_buffers"] = transport.buffers.counts()
+        report["cores"] = cores
         return report, final_params(rt)
     except BaseException as exc:
         # Report now, while the peers still wait on this rank: closing the transport below makes their

@@ -82,11 +82,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--lr", type=float, help="default: plan.json's lr, else 1e-3 (adam, adamw) or 0.01 (sgd)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may last (default 120)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when present")
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="CPU ranks: leave each wherever the OS puts it (default: cores of its own where there are enough)",
+    )
     p.set_defaults(func=run)
 
 
 #: The share of the step time a rank waited for a CPU above which `dapple run` says so.
 CPU_WAIT_NOTE = 0.05
+
+
+def _cores(cores: list[int] | None) -> str:
+    """A rank's cores as `2-5` or `0,2`; `unpinned` for None."""
+    if cores is None:
+        return "unpinned"
+    if len(cores) > 2 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             listen_host=args.listen_host,
             device=args.device,
+            pin=not args.no_pin,
         )
     except Interrupted as stop:
         print(f"dapple run: {stop}", file=sys.stderr)
@@ -129,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
             f"waited for a CPU (runnable, no core free): {shares} of the step time. More busy threads than "
             "cores stretch the measured steps and timeline; the simulator gives each rank a device of its own"
         )
+    if any(cores is not None for cores in result.cores):
+        pinned = ", ".join(f"rank {r} {_cores(c)}" for r, c in enumerate(result.cores))
+        print(f"CPU cores (each rank pinned to its own; --no-pin leaves them to the OS): {pinned}")
     if result.timeline is not None:
         print(f"measured timeline: {result.timeline}")
     if args.save:
