@@ -6,8 +6,9 @@
    planner choosing cuts and replication; and one with only the stages forced, the planner's own choice of
    schedule and microbatch count) and `dapple_ir.simulate(plan_dir)` predicts an iteration.
 3. `dapple_ir.run(plan_dir, transport="torchrun")` trains each plan with one process per rank; the
-   measured iteration is global batch / samples/s (steps after the first). Plans run interleaved, round
-   by round, and each figure is the median over rounds.
+   measured iteration is the median step past the first `WARMUP` (`RunResult.step_s`: the simulator
+   predicts a steady step, and the first steps of a run warm caches and allocators up). Plans run
+   interleaved, round by round, and each figure is the median over rounds.
 
 Target: prediction within 15% of the measurement.
 
@@ -93,11 +94,16 @@ def split_free_s(plan_dir: Path, cluster: Path) -> float:
     return float(dapple_ir.simulate(plan_dir, cluster=dataclasses.replace(spec, node_kinds=free)).iteration_s)
 
 
-def measure(plan_dir: Path, steps: int, global_batch: int) -> float:
+#: Steps of a run left out of its measured iteration (fewer where the run has no more).
+WARMUP = 2
+
+
+def measure(plan_dir: Path, steps: int) -> float:
+    """The median step of a `dapple run` past its first `WARMUP` steps."""
     import dapple_ir
 
     result = dapple_ir.run(plan_dir, steps=steps, transport="torchrun", optimizer="sgd", device="cpu")
-    return global_batch / result.samples_per_s
+    return median(result.step_s[min(WARMUP, len(result.step_s) - 1) :])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.quick:
         plans = plans[:1]
-    rounds, steps = (1, 2) if args.quick else (args.rounds, 6)
+    rounds, steps = (1, 2) if args.quick else (args.rounds, 8)
     table = Table(
         "Simulated vs measured iteration time on this CPU (2 ranks, calibrated cluster)",
         ["stages", "schedule", "M", "ranks", "predicted s", "measured s", "predicted / measured", "error"],
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 if i in failures:
                     continue
                 try:
-                    measured[i].append(measure(work / f"plan{i}", steps, GLOBAL_BATCH))
+                    measured[i].append(measure(work / f"plan{i}", steps))
                 except Exception as exc:
                     failures[i] = unavailable(str(exc).splitlines()[0][:160])
         for i, plan in enumerate(plans):
@@ -175,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     table.notes += [
         f"model {Path(spec).name}; microbatch {MICROBATCH}; SGD; cluster from `dapple calibrate --devices 2 --fit` "
         f"on a `dapple profile` at microbatch {MICROBATCH} with 1 thread: {measured_by_calibrate}.",
-        f"measured = global batch / samples/s of `dapple run` (torchrun, gloo), {steps} steps, median of {rounds} "
-        "interleaved round(s).",
+        f"measured = the median step of a `dapple run` (torchrun, gloo; each rank pinned to a core) of {steps} steps "
+        f"past its first {min(WARMUP, steps - 1)} (`RunResult.step_s`), median of {rounds} interleaved round(s).",
     ]
     two = {plan["schedule"]: i for i, plan in enumerate(plans) if plan["stages"] == 2 and plan["m"] and measured.get(i)}
     if "1f1b" in two and "zb-h1" in two:

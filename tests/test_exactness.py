@@ -8,6 +8,7 @@ tests that break the runtime on purpose prove the check is not one that always p
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,9 @@ def test_unreplicated_batch_norm_over_two_values_is_exact_under_torchrun(tmp_pat
     # Exact with each rank pinned to cores of its own where this machine has a core per rank.
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     assert result.cores == [rank_cores(r, 2, usable) if usable else None for r in range(2)]
+    # Each step's period from the ranks' own reports: the last rank done with it, less the last done with the one
+    # before (the first step from the first rank's start).
+    times = [json.loads((plan / "run" / f"rank_{r}.json").read_text())["step_times"] for r in range(2)]
+    ends = [max(t[str(k)][1] for t in times) for k in range(3)]
+    first = min(t["0"][0] for t in times)
+    assert result.step_s == pytest.approx([ends[0] - first, ends[1] - ends[0], ends[2] - ends[1]])

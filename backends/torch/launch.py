@@ -114,6 +114,9 @@ class RunResult:
     cpu_waits: list[float | None] = field(default_factory=list)
     """Per rank, the share of the timed steps it spent runnable but waiting for a CPU (`Span.queued_s`); None
     where the system does not say. Large where ranks outnumber the cores they share."""
+    step_s: list[float] = field(default_factory=list)
+    """Each step run, in order: seconds from the end of the one before (every rank done) to its own end; the first
+    from its start. The steady step is the median past the first few (they warm caches and allocators up)."""
     cores: list[list[int] | None] = field(default_factory=list)
     """Per rank, the CPU cores it was pinned to (`cores.pin_rank`); None where it was not (CUDA, threads, `pin`
     off, fewer cores than ranks on its node)."""
@@ -897,6 +900,7 @@ def _aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int,
         sites=_sites_in_graph_order(plan, states),
         cpu_waits=[_cpu_wait(reports[r], [windows[k] for k in timed]) for r in sorted(reports)],
         cores=[reports[r].get("cores") for r in sorted(reports)],
+        step_s=_periods(windows),
     )
 
 
@@ -920,6 +924,12 @@ def _sites_in_graph_order(plan: Plan, states: dict[int, dict[str, Any]]) -> list
                     raise RuntimeFailure(f"stage @{stage} drew random numbers in %{op}, an op the plan does not have")
                 sites.add((op, int(index)))
     return sorted(sites, key=lambda site: (order[site[0]], site[1]))
+
+
+def _periods(windows: dict[int, tuple[float, float]]) -> list[float]:
+    """`RunResult.step_s` from the steps' windows (earliest start, latest end over the ranks)."""
+    steps = sorted(windows)
+    return [windows[k][1] - (windows[steps[i - 1]][1] if i else windows[k][0]) for i, k in enumerate(steps)]
 
 
 def _step_windows(reports: dict[int, dict[str, Any]]) -> dict[int, tuple[float, float]]:
