@@ -142,6 +142,8 @@ def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
         "simulated with spread waiting % per rank",
         "simulated waiting % per rank, no slowdown",
         "replayed with measured transfers waiting % per rank",
+        "simulated on shared cores waiting % per rank",
+        "ours waiting for a peer % per rank",
     ):
         shares = [float(x) for row in t.rows for x in str(row[t.columns.index(column)]).split("/")]
         assert shares and all(0 <= x <= 100 for x in shares), (column, shares)
@@ -197,6 +199,33 @@ def test_runtime_bench_fits_the_link_and_finds_the_waits() -> None:
     # Of the 0.5 s waited per 1 s step, 0.2 s was a wait for a CPU.
     assert costs.queued_s == pytest.approx(0.2)
     assert rt.cpu_shares([{"rank": 0, "spans": spans, "step_times": step_times}], 1, [costs]) == pytest.approx([0.2])
+    # On a core of its own: the forward less its 0.03 s in the run queue, the busy time likewise; the waits keep
+    # theirs (a wait is not busy time to take it from).
+    (solo,) = rt.rank_costs([{"rank": 0, "spans": spans, "step_times": step_times}], warmup=1, solo=True)
+    assert solo.compute == {("forward", "s0"): pytest.approx(0.07), ("backward", "s0"): pytest.approx(0.2)}
+    assert (solo.busy_s, solo.optimizer_s) == (pytest.approx(0.47), pytest.approx(0.05))
+
+
+def test_runtime_bench_shares_the_cores_it_is_told_of(tmp_path: Path) -> None:
+    """`simulated_waiting` with `cores`: two ranks of measured costs on one core take, together, all their busy
+    time per step (the closed form of one shared core: it never idles while either rank has work), where with a
+    core each the step is shorter."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.sim.simulator import simulate
+
+    module, durations = _modelled_plan(tmp_path, "1f1b")
+    plan = tmp_path / "plan"
+    free = Link(math.inf, 0.0)
+    sim = simulate(module, cluster=rt._measured_cluster(2, free), durations=durations)
+    reports = _as_measured(module, sim, 3)
+    costs = rt.rank_costs(reports, 1)
+    ((_, alone),) = rt.simulated_waiting(plan, costs, [(free, 1.0)])
+    ((shared_bubble, shared),) = rt.simulated_waiting(plan, costs, [(free, 1.0)], cores=1)
+    assert shared == pytest.approx(sum(c.busy_s for c in costs))
+    assert alone == pytest.approx(sim.iteration_s) and alone < shared
+    assert all(0.0 <= b < 1.0 for b in shared_bubble)
 
 
 def test_run_all_renders_a_failed_benchmark_as_not_available(tmp_path: Path) -> None:
@@ -278,7 +307,7 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
 
     module, durations = _modelled_plan(tmp_path, "1f1b")
     link = Link(math.inf, 0.0)
-    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
+    sim = simulate(module, cluster=rt._measured_cluster(2, link), durations=durations)
     assert max(sim.bubble_fraction) > 0.1  # a pipeline with waiting to find
     reports = _as_measured(module, sim, 3)
     steps = rt.step_durations(reports, 1)
@@ -313,7 +342,7 @@ def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> No
     first = next(i for i, ins in enumerate(module.programs[1].instrs) if ins.kind is InstrKind.FORWARD)
     durations[(1, first)] = 0.35
     link = Link(math.inf, 0.01)
-    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link), durations=durations)
+    sim = simulate(module, cluster=rt._measured_cluster(2, link), durations=durations)
     reports = _as_measured(module, sim, 1)
     found = rt.transfers(module, reports, 0)
     sends = sum(ins.kind is InstrKind.SEND for p in module.programs for ins in p.instrs)
@@ -374,7 +403,7 @@ def test_runtime_bench_replays_a_timeline_made_with_a_busy_receivers_slowdown(tm
     durations[(1, first)] = 0.35
     # 0.05 s per transfer, all of it bytes: no ready notice moves a transfer's start (a latency would).
     link = Link(10240.0, 0.0)
-    sim = simulate(module, cluster=rt._measured_cluster([math.inf, math.inf], link, 4.0), durations=durations)
+    sim = simulate(module, cluster=rt._measured_cluster(2, link, 4.0), durations=durations)
     reports = _as_measured(module, sim, 1)
     found = rt.transfers(module, reports, 0)
     assert {t.nbytes for t in found} == {512.0}

@@ -154,6 +154,10 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     assert load_cluster_toml(_write(tmp_path, cluster_to_toml(busy))).node_kinds == busy.node_kinds
     assert (again.intra, again.inter, again.devices_per_node) == (spec.intra, spec.inter, spec.devices_per_node)
     assert (again.fabric, again.cards, again.card_devices) == (spec.fabric, spec.cards, spec.card_devices)
+    # A node whose ranks outnumber its cores: the cores are written and read back.
+    shared = dataclasses.replace(spec, cores_per_node=2)
+    assert load_cluster_toml(_write(tmp_path, cluster_to_toml(shared))).cores_per_node == 2
+    assert again.cores_per_node == 0
 
 
 _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
@@ -194,6 +198,8 @@ _FOUR = 'devices_per_node = 4\ndevice = "H100"\n'
             "device_kinds.x.message_overhead",
         ),
         ('devices_per_node = 8\ndevice = "H100"\n[links.intra_node]\nbw = 1\n', "links.intra_node.bw"),
+        ('devices_per_node = 4\ndevice = "cpu"\ncores_per_node = 1.5\n', "cores_per_node"),
+        ('devices_per_node = 4\ndevice = "cpu"\ncores_per_node = -2\n', "cores_per_node"),
         ('devices_per_node = 8\ndevice = "H100"\n[fabric]\nkind = "ring"\n', "fabric.kind"),
         ('devices_per_node = 8\ndevice = "H100"\n[network]\ncards = 9\n', "network.cards"),
         (_FOUR + "[network]\ncards = 2\ncard_devices = [[0, 1], [1, 2]]\n", "network.card_devices"),

@@ -80,6 +80,25 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 0.0 < cpu.instruction_overhead + cpu.message_overhead < 0.1
     assert cpu.instruction_overhead >= 0.0 and cpu.message_overhead >= 0.0
     assert (cpu.instruction_overhead != 0.0) == ("instruction_overhead" in out.read_text())
+    # Two ranks share this machine's cores only where it has fewer than two.
+    import os
+
+    usable = len(os.sched_getaffinity(0))
+    assert spec.cores_per_node == (usable if usable < 2 else 0)
+
+
+def test_calibrate_names_the_cores_where_the_ranks_outnumber_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shared_cores`: the cores this process may use, where fewer than the node's CPU ranks; else 0 (a core per
+    rank, or GPUs, share nothing)."""
+    import os
+
+    from dapple_ir.commands import calibrate
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 3}, raising=False)
+    assert calibrate.shared_cores("cpu", 4) == 2
+    assert calibrate.shared_cores("cpu", 3) == 2
+    assert calibrate.shared_cores("cpu", 2) == 0
+    assert calibrate.shared_cores("cuda", 4) == 0
 
 
 def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pytest.MonkeyPatch) -> None:

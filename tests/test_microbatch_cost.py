@@ -71,14 +71,7 @@ def test_estimate_and_simulator_both_keep_the_fixed_part(tmp_path: Path, microba
     call = cluster.device(0).op_overhead
     problem = problem_from_module(module, cluster, 64)
     cand = Candidate((StageChoice(0, problem.layers, (0,)),), microbatches)
-    b = 64 // microbatches
-    # By hand: per op and direction, the fixed part once per microbatch plus the per-sample rest.
-    per_microbatch = 0.0
-    for op in module.ops:
-        for t in (op.attrs.fwd_s or 0.0, op.attrs.bwd_s or 0.0):
-            fixed = min(t, call)
-            per_microbatch += fixed + (t - fixed) * b / 8
-    compute = microbatches * per_microbatch
+    compute = _compute_by_hand(module, call, 64, microbatches)
     assert evaluate(problem, cand).iteration_s == pytest.approx(compute, rel=1e-9)
     simulated, _peak = lower_and_simulate(module, problem, cand)
     # The simulator adds the optimizer step (4 kB of parameters streamed once: nanoseconds).
@@ -90,6 +83,45 @@ def test_estimate_and_simulator_both_keep_the_fixed_part(tmp_path: Path, microba
     assert len(calls) == 8
     fixed_sum = sum(min(t, call) for t in calls)
     assert compute - linear == pytest.approx((microbatches - 8) * fixed_sum, rel=1e-9, abs=1e-15)
+
+
+def _compute_by_hand(module: Module, call: float, global_batch: int, microbatches: int) -> float:
+    """The chain's compute over a step of M microbatches, by hand: per op and direction, the fixed part `call` once
+    per microbatch plus the rest scaled from the profile's 8 samples."""
+    b = global_batch // microbatches
+    per_microbatch = 0.0
+    for op in module.ops:
+        for t in (op.attrs.fwd_s or 0.0, op.attrs.bwd_s or 0.0):
+            fixed = min(t, call)
+            per_microbatch += fixed + (t - fixed) * b / 8
+    return microbatches * per_microbatch
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_ranks_sharing_cores_cannot_beat_the_cores_doing_all_the_work(tmp_path: Path, schedule: str) -> None:
+    """Four stages on one node whose 4 ranks share c cores (`cores_per_node`): the estimate is never below the whole
+    step's compute (by hand) over c, the core floor, and where that floor is above the pipeline's time it is the
+    estimate; with cores enough (0, or 4) nothing changes. The simulator, which shares the cores as the ranks
+    run, never ends below the floor either."""
+    module = _chain(tmp_path)
+    plain = resolve_cluster("4xV100-16GB")
+    call = plain.device(0).op_overhead
+    stages = tuple(StageChoice(k, k + 1, (k,)) for k in range(4))
+    bare = problem_from_module(module, plain, 64)
+    for m in (1, 4, 16):
+        cand = Candidate(stages, m, schedule=schedule)
+        unshared = evaluate(bare, cand)
+        compute = _compute_by_hand(module, call, 64, m)
+        for cores in (1, 2):
+            problem = problem_from_module(module, dataclasses.replace(plain, cores_per_node=cores), 64)
+            estimate = evaluate(problem, cand)
+            assert estimate.cores_s == pytest.approx(compute / cores, rel=1e-9)
+            assert estimate.iteration_s == pytest.approx(max(unshared.iteration_s, compute / cores), rel=1e-9)
+            simulated, _peak = lower_and_simulate(module, problem, cand)
+            assert simulated >= compute / cores * (1 - 1e-9)
+        for cores in (0, 4):
+            problem = problem_from_module(module, dataclasses.replace(plain, cores_per_node=cores), 64)
+            assert evaluate(problem, cand) == unshared
 
 
 def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path) -> None:

@@ -345,6 +345,59 @@ def test_each_message_costs_the_next_computation() -> None:
         assert took[r] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (3, 5), (4, 8)])
+def test_ranks_on_one_core_take_as_long_as_all_their_work(kind: str, stages: int, microbatches: int) -> None:
+    """`ClusterSpec.cores_per_node` = 1 under S ranks: the core is shared and never idle while any rank has work
+    (free links: some rank of a pipeline always can go on), so the iteration is all the work, S M (F + B), whatever
+    the schedule overlaps; with a core per rank (or more) it is the unshared plan's to the last bit."""
+    f, b = 1.0, 2.0
+    module = schedule_module(kind, stages, microbatches, fwd_s=f, bwd_s=b)
+    one = simulate(module, cluster=_cores_cluster(stages, 1))
+    assert one.iteration_s == pytest.approx(stages * microbatches * (f + b))
+    unshared = simulate(module, cluster=_cores_cluster(stages, 0))
+    for cores in (stages, stages + 1):
+        enough = simulate(module, cluster=_cores_cluster(stages, cores))
+        assert (enough.starts, enough.ends) == (unshared.starts, unshared.ends)
+    # In between: never faster than unshared, nor than the work over the cores; never slower than on one core.
+    for cores in range(2, stages):
+        some = simulate(module, cluster=_cores_cluster(stages, cores))
+        floor = max(unshared.iteration_s, stages * microbatches * (f + b) / cores)
+        assert floor - 1e-9 <= some.iteration_s <= one.iteration_s + 1e-9
+
+
+def test_ranks_sharing_a_core_run_at_half_speed_while_both_compute() -> None:
+    """GPipe, 2 stages, 2 microbatches, F = 1, B = 2, one core for both ranks, by hand: rank 0's first forward
+    runs alone (0-1); its second and rank 1's first share the core (1-3, each at half speed); rank 1's second
+    forward (3-4) and its first backward (4-6) run alone; rank 1's second backward and rank 0's first share the
+    core (6-10); rank 0's last backward runs alone (10-12)."""
+    module = schedule_module("gpipe", 2, 2, fwd_s=1.0, bwd_s=2.0)
+    result = simulate(module, cluster=_cores_cluster(2, 1))
+    spans = {
+        r: [(e.start_s, e.end_s) for e in result.events() if e.rank == r and e.instr.kind in (F, B)] for r in (0, 1)
+    }
+    assert spans[0] == [(0.0, 1.0), (1.0, 3.0), (6.0, 10.0), (10.0, 12.0)]
+    assert spans[1] == [(1.0, 3.0), (3.0, 4.0), (4.0, 6.0), (6.0, 10.0)]
+    assert result.busy_s == pytest.approx([9.0, 9.0])  # the spans as stretched: 6 s of work, 3 s at half speed
+
+
+def test_ranks_share_only_the_cores_of_their_own_node() -> None:
+    """Two nodes of 2 ranks and 1 core each, 1F1B on 4 stages: each node's core does its two stages' work, 2 M
+    (F + B) at least, and the plan takes longer than unshared; yet no longer than one core doing all 4 stages."""
+    module = schedule_module("1f1b", 4, 8, fwd_s=1.0, bwd_s=2.0)
+    per_node = simulate(module, cluster=_cores_cluster(2, 1, nodes=2))
+    unshared = simulate(module, cluster=_cores_cluster(2, 0, nodes=2))
+    assert per_node.iteration_s >= 2 * 8 * 3.0 - 1e-9
+    assert unshared.iteration_s < per_node.iteration_s < simulate(module, cluster=_cores_cluster(4, 1)).iteration_s
+
+
+def _cores_cluster(per_node: int, cores: int, nodes: int = 1) -> ClusterSpec:
+    """Free links and memory, `cores` for each node's `per_node` ranks (0: a core each)."""
+    free = Link(math.inf, 0.0)
+    kind = DeviceKind("core", math.inf, {"f32": math.inf}, math.inf)
+    return ClusterSpec((kind,) * nodes, per_node, free, free, cores_per_node=cores)
+
+
 def test_microbatch_size_scales_compute_time() -> None:
     """Op times describe cost_batch samples: a microbatch of half as many takes half the time."""
     module = schedule_module("1f1b", 2, 4, fwd_s=1.0, bwd_s=2.0, batch=8, microbatch_size=4)

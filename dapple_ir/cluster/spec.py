@@ -253,10 +253,18 @@ class ClusterSpec:
     """Per card, the local device slots (0 .. devices_per_node - 1) behind it; empty: an even split in order."""
     machine: str = ""
     """The machine preset the network came from (`DGX H100/H200`), for reports."""
+    cores_per_node: int = 0
+    """Cores a node's ranks compute on, where there are fewer than its devices (CPU ranks of one thread on a
+    machine with fewer cores than ranks): the ranks then take turns, each running at cores / ranks computing of a
+    core's speed while more of them compute than there are cores (`dapple_ir.sim.simulator`). 0: a core (or a
+    GPU) of its own for every device, nothing shared. `dapple calibrate` writes the node's cores where the ranks
+    outnumber them."""
 
     def __post_init__(self) -> None:
         per = self.devices_per_node
         where = f"cluster {self.name or '(unnamed)'}"
+        if self.cores_per_node < 0:
+            raise ClusterError(f"{where}: cores_per_node is {self.cores_per_node}; 0 (a core per device) or more")
         if self.fabric not in FABRICS:
             raise ClusterError(f"{where}: fabric '{self.fabric}' is not one of {', '.join(FABRICS)}")
         if not 0 <= self.cards <= per:
@@ -303,6 +311,11 @@ class ClusterSpec:
         if not 0 <= device < self.num_devices:
             raise ClusterError(f"device {device} is not in cluster {self.name} (0..{self.num_devices - 1})")
         return self.node_kinds[self.node_of(device)]
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's ranks outnumber its cores, so that ranks computing at once slow each other."""
+        return 0 < self.cores_per_node < self.devices_per_node
 
     def link(self, a: int, b: int) -> Link:
         """What one transfer from `a` to `b` gets when nothing else is on the wire."""

@@ -8,6 +8,7 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     devices_per_node = 8
     device = "V100-16GB"            # every node's device kind: a preset or a [device_kinds.X] table
     # node_devices = ["A100-80GB", "my-gpu"]   # or one kind per node (heterogeneous); sets nodes
+    # cores_per_node = 2            # CPU ranks: the cores a node's ranks share, where fewer than its devices
 
     [device_kinds.my-gpu]           # optional custom kinds; `base` starts from a preset
     base = "V100-16GB"
@@ -72,6 +73,7 @@ _TOP_KEYS = {
     "fabric",
     "network",
     "efficiency",
+    "cores_per_node",
 }
 #: A device kind's figures that may be 0 and default to 0 (or the base preset's): what the host's own work and a
 #: split backward cost.
@@ -214,6 +216,7 @@ def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>", text: str =
     name = data.get("name", path)
     if not isinstance(name, str):
         raise r.error("name", f"must be a string, not {name!r}")
+    cores = int(r.positive(data.get("cores_per_node", 0), "cores_per_node", integer=True, allow_zero=True))
     return ClusterSpec(
         node_kinds,
         per_node,
@@ -225,6 +228,7 @@ def cluster_from_dict(data: dict[str, Any], path: str = "<cluster>", text: str =
         cards=cards,
         card_devices=card_devices,
         machine=machine.name if machine and not (links or fabric or network) else "",
+        cores_per_node=cores,
     )
 
 
@@ -362,6 +366,8 @@ def cluster_to_toml(spec: ClusterSpec) -> str:
     lines = [f"name = {_toml_str(spec.name)}", f"devices_per_node = {spec.devices_per_node}"]
     names = [k.name for k in spec.node_kinds]
     lines.append("node_devices = [" + ", ".join(_toml_str(n) for n in names) + "]")
+    if spec.cores_per_node:
+        lines.append(f"cores_per_node = {spec.cores_per_node}")
     for kind in {k.name: k for k in spec.node_kinds}.values():
         lines += ["", f"[device_kinds.{_toml_str(kind.name)}]", f"memory_bytes = {kind.memory_bytes!r}"]
         flops = ", ".join(f"{_toml_str(d)} = {v!r}" for d, v in kind.peak_flops.items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -92,14 +93,15 @@ def run(args: argparse.Namespace) -> int:
         fixed = fit_fixed_s(args.fit)
         kind = dataclasses.replace(kind, op_overhead=fixed)
         solo = dataclasses.replace(solo, op_overhead=fixed)
-    spec = ClusterSpec((kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}")
+    cores = shared_cores(kind.name, devices)
+    spec = ClusterSpec(
+        (kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}", cores_per_node=cores
+    )
     # Efficiency from the largest microbatch (the least dominated by the fixed part); profiles
     # without FLOP counts (an imported model's) still fit the fixed part when there are several.
     largest = max(args.fit or [], key=lambda path: _read_profile(path)[0], default=None)
     if largest is not None and (len(args.fit) == 1 or _has_flop_counts(largest)):
-        spec = ClusterSpec(
-            spec.node_kinds, devices, intra, inter, name=spec.name, efficiency=fit_efficiency(largest, solo)
-        )
+        spec = dataclasses.replace(spec, efficiency=fit_efficiency(largest, solo))
     Path(args.output).write_text(cluster_to_toml(spec))
     fitted = ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency.items()) or "defaults"
     alone = "" if kind is solo else f" ({solo.flops('f32') / 1e9:.1f} alone)"
@@ -112,10 +114,24 @@ def run(args: argparse.Namespace) -> int:
         f"+ {kind.message_overhead * 1e6:.0f} us per message, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
-        f"efficiency: {fitted} -> {args.output}",
+        f"efficiency: {fitted}{_sharing(cores, devices)} -> {args.output}",
         file=sys.stderr,
     )
     return 0
+
+
+def shared_cores(kind_name: str, devices: int) -> int:
+    """The cores this node's CPU ranks share where they outnumber them (`ClusterSpec.cores_per_node`), else 0: a
+    GPU rank, or a CPU rank with a core of its own, shares none. The cores are the ones this process may run on
+    (taskset and cgroups respected), as `dapple run`'s ranks get them."""
+    if kind_name != "cpu":
+        return 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable if usable < devices else 0
+
+
+def _sharing(cores: int, devices: int) -> str:
+    return f"; the {devices} ranks share {cores} core(s)" if cores else ""
 
 
 def measure_host_time(device: str, ranks: int) -> tuple[float, float]:

@@ -12,7 +12,7 @@ over the stages from last to first so that dynamic programming can use the same 
     a_s    = F_s + B_s + 2 c_s + l_s                first microbatch's path through s and its cut
     G_s    = max(busy_s, a_s + G_{s+1})             pipeline time seen from stage s
     H_s    = max(AR_s, H_{s+1} - (B_s + c_s))       allreduce time not hidden by the drain
-    T      = max(G_0 + max(0, H_0) + TIED, floor)
+    T      = max(G_0 + max(0, H_0) + TIED, floor, cores)
 
 F, B are the stage's times for a microbatch of b = global_batch / M samples: an op the roofline priced
 (`roofline_ops`) priced again at b, any other's fixed part as it is and the rest scaled from
@@ -29,7 +29,10 @@ as `lower-comm` does. `floor` is the card floor
 (`dapple_ir.planner.traffic`): the bytes every cut (activations and gradients, M microbatches) and
 every allreduce push through each network card per iteration, over the card's bandwidth, at the
 busiest card; the activations and allreduces that share a card add up there. With equal stages and
-free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B.
+free links this is (M + S - 1)(F + B), the closed form of GPipe and 1F1B. `cores` is the core floor, where a
+node's CPU ranks outnumber its cores (`ClusterSpec.cores_per_node`): the busy time of every replica on the node
+over its cores, the least time those cores can do the node's work in (the simulator shares them as they do;
+without sharing it is 0).
 
 Memory of a device hosting a replica of stage s: static bytes plus activations of the microbatches
 in flight: gpipe keeps all ceil(M/R_s) of its microbatches, 1f1b (and zb-h1) min(S - s, ceil(M/R_s)).
@@ -62,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -436,6 +439,8 @@ class Estimate:
     """The link with the most seconds of traffic per iteration (cards, ports or buses), or ''."""
     busiest_s: float = 0.0
     """Its bytes per iteration over its bandwidth."""
+    cores_s: float = 0.0
+    """The core floor: where ranks share a node's cores, the node's busy seconds over its cores (else 0)."""
 
     @property
     def fits(self) -> bool:
@@ -617,9 +622,32 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     _card, floor = busiest(network, loads, network.card_links)
     link, seconds = busiest(network, loads)
     name = network.links[link].name if link >= 0 else ""
+    cores = core_floor(problem.cluster, [(st.devices, busy) for st, busy in zip(cand.stages, busies, strict=True)])
     return Estimate(
-        max(g + tail, floor), g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)), floor, name, seconds
+        max(g + tail, floor, cores),
+        g,
+        tail,
+        tuple(peaks),
+        tuple(caps),
+        busies.index(max(busies)),
+        floor,
+        name,
+        seconds,
+        cores,
     )
+
+
+def core_floor(cluster: ClusterSpec, busy: Iterable[tuple[tuple[int, ...], float]]) -> float:
+    """The least time a node's shared cores take for its ranks' work: for (devices, busy seconds of each) pairs,
+    the most any node whose ranks outnumber its cores (`ClusterSpec.shares_cores`) has to do over its cores; 0
+    where no node shares."""
+    if not cluster.shares_cores:
+        return 0.0
+    per_node: dict[int, float] = {}
+    for devices, seconds in busy:
+        for d in devices:
+            per_node[cluster.node_of(d)] = per_node.get(cluster.node_of(d), 0.0) + seconds
+    return max(per_node.values(), default=0.0) / cluster.cores_per_node
 
 
 def split_s(problem: Problem, st: StageChoice) -> float:
@@ -698,9 +726,13 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     link, seconds = busiest(network, loads)
     name = network.links[link].name if link >= 0 else ""
     g_time += ring_s
+    # Each device does its group's V chunks for its share of the microbatches.
+    own = [(cand.stages[g].devices, -(-m // len(cand.stages[g].devices)) * work[g]) for g in range(p)]
+    cores = core_floor(problem.cluster, own)
     return Estimate(
-        max(g_time + tail, floor), g_time, tail, peaks, caps, busies.index(max(busies)), floor, name, seconds
-    )
+        max(g_time + tail, floor, cores), g_time, tail, peaks, caps, busies.index(max(busies)), floor, name, seconds,
+        cores,
+    )  # fmt: skip
 
 
 def interleaved_held(cand: Candidate, act: list[float]) -> list[float]:

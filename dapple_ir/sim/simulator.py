@@ -50,6 +50,14 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
 - `load_microbatch` and `free` take no time.
+- ranks that share cores (`ClusterSpec.cores_per_node` below a node's ranks: CPU ranks of one thread each on a
+  machine with fewer cores) take turns: each compute instruction (forward, backward, input or weight pass,
+  optimizer step, its host work included) is its seconds of work on one core, done at min(1, c / k) of a core's
+  speed while k of the node's c-core ranks compute, the shares recomputed whenever one starts or ends (the link
+  sharing below, with the node's cores as one link of bandwidth c and each rank's thread as one of bandwidth 1).
+  A rank computing alone runs at full speed, so a plan whose ranks never compute at once costs what it costs
+  unshared. `busy_s` counts the wall time of such instructions, stretched as they were; durations given to
+  `simulate` are work on a core of its own and are shared the same way.
 - the host's own work (`host_s`): every compute instruction also takes the device kind's
   `instruction_overhead`, and it or the optimizer step, whichever comes next, `message_overhead` for
   each send and receive the rank ran since its previous one (the runtime hands queued sends over at
@@ -340,9 +348,10 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
 # ------------------------------------------------------------------------------------ the engine
 
 
-#: What the engine's event queue holds: a rank to run on, the first end in a bundle of flows, or a transfer
-#: whose receive is posted and whose receiver's notice reaches the sender then.
-_RESUME, _FLOW_END, _FLOW_START = 0, 1, 2
+#: What the engine's event queue holds: a rank to run on, the first end in a bundle of flows, a transfer
+#: whose receive is posted and whose receiver's notice reaches the sender then, or the first end in a bundle of
+#: computations on shared cores.
+_RESUME, _FLOW_END, _FLOW_START, _CORE_END = 0, 1, 2, 3
 
 
 class _Simulator:
@@ -387,6 +396,7 @@ class _Simulator:
         # Per receiving rank, how much slower a transfer into it moves while it computes; None where none is.
         slowdowns = [cluster.device(d).busy_receive_slowdown for d in self.devices]
         self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
+        self.core_paths, self.core_capacity = _core_paths(cluster, self.devices)
         self.sizes = Sizes(module)
         self.network = Network(cluster)
         self.reduce_bytes: dict[Stage, float] = {}
@@ -460,6 +470,10 @@ class _Simulator:
         """One iteration, the instructions in `replay` taking its seconds. Each run starts with idle links."""
         programs = self.module.programs
         self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
+        core_paths = self.core_paths
+        cores = LinkSharing(self.core_capacity) if core_paths is not None else None
+        # Computation on shared cores in flight: its flow -> (rank, instruction index).
+        computing: dict[int, tuple[int, int]] = {}
         n = len(programs)
         starts = [[0.0] * len(p.instrs) for p in programs]
         ends = [[0.0] * len(p.instrs) for p in programs]
@@ -529,6 +543,19 @@ class _Simulator:
                 continue
             if event == _FLOW_START:
                 self.start_transfer(now, self.deferred.pop(r))
+                continue
+            if event == _CORE_END:
+                assert cores is not None
+                if cores.is_current(r, version):
+                    through, moved = cores.finish(now, r)
+                    for bundle, end, current in moved:
+                        heappush(heap, (end, self.next_ticket(), _CORE_END, bundle, current))
+                    for flow in through:
+                        rank, index = computing.pop(flow)
+                        ends[rank][index] = now
+                        busy[rank] += now - starts[rank][index]
+                        pc[rank], clock[rank] = index + 1, now
+                        heappush(heap, (now, self.next_ticket(), _RESUME, rank, 0))
                 continue
             instrs, st, en = programs[r].instrs, starts[r], ends[r]
             own_host = host[r] if host is not None else None
@@ -639,6 +666,20 @@ class _Simulator:
                     d += own_host[i]
                 if replayed is not None:
                     d = replayed.get((r, i), d)
+                if core_paths is not None and d > 0 and core_paths[r] is not None:
+                    # On shared cores: the work starts on the global clock and ends when its share has done it.
+                    if t > now:
+                        if heap and heap[0][0] < t:
+                            heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
+                            break
+                        now = t
+                    assert cores is not None
+                    st[i] = t
+                    flow, moved = cores.start(t, core_paths[r], d)  # type: ignore[arg-type]
+                    computing[flow] = (r, i)
+                    for bundle, end, current in moved:
+                        heappush(heap, (end, self.next_ticket(), _CORE_END, bundle, current))
+                    break
                 st[i] = t
                 t += d
                 en[i] = t
@@ -804,6 +845,29 @@ class _Simulator:
             level += change
             curve.append((starts[i], level))
         return curve
+
+
+def _core_paths(cluster: ClusterSpec, devices: list[int]) -> tuple[list[tuple[int, int] | None] | None, list[float]]:
+    """Where ranks share cores: per rank, its (node's cores, own thread) links in a `LinkSharing` of the returned
+    capacities (None for a rank with a core of its own); (None, []) where no node has more ranks than cores."""
+    if not cluster.shares_cores:
+        return None, []
+    ranks_on: dict[int, int] = {}
+    for d in devices:
+        ranks_on[cluster.node_of(d)] = ranks_on.get(cluster.node_of(d), 0) + 1
+    shared = sorted(node for node, count in ranks_on.items() if count > cluster.cores_per_node)
+    if not shared:
+        return None, []
+    capacity = [float(cluster.cores_per_node)] * len(shared)
+    paths: list[tuple[int, int] | None] = []
+    for d in devices:
+        node = cluster.node_of(d)
+        if node not in ranks_on or ranks_on[node] <= cluster.cores_per_node:
+            paths.append(None)
+            continue
+        paths.append((shared.index(node), len(capacity)))
+        capacity.append(1.0)
+    return paths, capacity
 
 
 def _durations(
