@@ -1000,9 +1000,9 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
 
 
 def node_cores(ranks: int) -> int:
-    """The cores `ranks` ranks of this machine share where they outnumber them, else 0 (`dapple calibrate`'s
-    `shared_cores`, which writes the same figure into a cluster file)."""
-    from dapple_ir.commands.calibrate import shared_cores
+    """The cores `ranks` ranks of this machine share where they outnumber them, else 0 (`measure.shared_cores`, the
+    figure `dapple calibrate` writes into a cluster file)."""
+    from dapple_ir.frontend.measure import shared_cores
 
     return shared_cores("cpu", ranks)
 

@@ -92,13 +92,13 @@ def test_calibrate_names_the_cores_where_the_ranks_outnumber_them(monkeypatch: p
     rank, or GPUs, share nothing)."""
     import os
 
-    from dapple_ir.commands import calibrate
+    from dapple_ir.frontend import measure
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 3}, raising=False)
-    assert calibrate.shared_cores("cpu", 4) == 2
-    assert calibrate.shared_cores("cpu", 3) == 2
-    assert calibrate.shared_cores("cpu", 2) == 0
-    assert calibrate.shared_cores("cuda", 4) == 0
+    assert measure.shared_cores("cpu", 4) == 2
+    assert measure.shared_cores("cpu", 3) == 2
+    assert measure.shared_cores("cpu", 2) == 0
+    assert measure.shared_cores("cuda", 4) == 0
 
 
 def test_the_split_overhead_is_timed_on_the_runtimes_own_passes(monkeypatch: pytest.MonkeyPatch) -> None:

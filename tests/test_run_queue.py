@@ -41,7 +41,9 @@ def test_two_spinners_on_one_cpu_each_wait_what_they_did_not_run() -> None:
     ]
     results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     for wall, cpu_s, queued in results:
-        assert queued == pytest.approx(wall - cpu_s, abs=0.03)
+        # Time neither side sees as the thread's (interrupts, a hypervisor's steal on a loaded VM) opens a gap that
+        # grows with the time off the CPU: 0.38 s queued against 0.43 s off it once on a loaded 2-core machine.
+        assert queued == pytest.approx(wall - cpu_s, abs=max(0.03, 0.15 * (wall - cpu_s)))
     # They shared the CPU for most of their spin: together they queued for a good part of it.
     assert sum(queued for _, _, queued in results) > 0.3, results
 

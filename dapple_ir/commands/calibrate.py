@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import socket
 import sys
 from pathlib import Path
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise DappleError(f"calibrate: --nodes must be at least 1, not {args.nodes}")
     measured = measure_node(args.device, args.devices)
     # The profile a fit reads was measured alone, so the fit uses `solo`.
-    kind, solo, devices = measured.kind, measured.solo, measured.devices
+    kind, solo, devices, cores = measured.kind, measured.solo, measured.devices, measured.cores
     intra, inter = DEFAULT_LINKS["cpu"] if kind.name == "cpu" else DEFAULT_LINKS["H100"]
     intra = measured.intra_link or intra
     if inter.bandwidth > intra.bandwidth:
@@ -70,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         inter = dataclasses.replace(inter, bandwidth=intra.bandwidth, latency=max(inter.latency, intra.latency))
     # Timed with the runtime's own split of a backward.
     split, per_byte = fit_split_price(measure_split_overhead(args.device, devices))
-    # Timed on the runtime itself, training a small MLP on this device's ranks.
+    # Timed on the runtime itself, training a small MLP on all this device's ranks. Where they outnumber the cores
+    # the simulator time-slices the compute, but a rank's host work between instructions also pays for the switches
+    # between ranks (cold caches, the switch itself), which it does not price: timed on as many ranks as cores, the
+    # host figure predicted 4-rank plans of examples/llama.py and examples/gpt.py 10-33 % fast on the 2-core dev VM,
+    # timed on all four -12..+2 % and -10..-27 % (docs/cluster.md).
     try:
         instruction, message = measure_host_time(args.device, devices)
     except RuntimeFailure as exc:  # a machine whose ranks cannot run keeps the preset's figures
@@ -93,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
         fixed = fit_fixed_s(args.fit)
         kind = dataclasses.replace(kind, op_overhead=fixed)
         solo = dataclasses.replace(solo, op_overhead=fixed)
-    cores = shared_cores(kind.name, devices)
     spec = ClusterSpec(
         (kind,) * args.nodes, devices, intra, inter, name=f"calibrated {socket.gethostname()}", cores_per_node=cores
     )
@@ -118,16 +120,6 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def shared_cores(kind_name: str, devices: int) -> int:
-    """The cores this node's CPU ranks share where they outnumber them (`ClusterSpec.cores_per_node`), else 0: a
-    GPU rank, or a CPU rank with a core of its own, shares none. The cores are the ones this process may run on
-    (taskset and cgroups respected), as `dapple run`'s ranks get them."""
-    if kind_name != "cpu":
-        return 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return usable if usable < devices else 0
 
 
 def _sharing(cores: int, devices: int) -> str:

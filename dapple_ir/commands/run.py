@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         shares = ", ".join(f"rank {r} {100 * w:.0f}%" for r, w in enumerate(result.cpu_waits) if w is not None)
         print(
             f"waited for a CPU (runnable, no core free): {shares} of the step time. More busy threads than "
-            "cores stretch the measured steps and timeline; the simulator gives each rank a device of its own"
+            "cores stretch the measured steps and timeline; the simulator shares a node's cores only where the "
+            "cluster says how many it has (cores_per_node, which `dapple calibrate --devices N` writes)"
         )
     if any(cores is not None for cores in result.cores):
         pinned = ", ".join(f"rank {r} {_cores(c)}" for r, c in enumerate(result.cores))

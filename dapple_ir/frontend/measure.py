@@ -72,6 +72,8 @@ class NodeMeasurement:
     """Devices (ranks) on the node."""
     intra_link: Link | None
     """The link between two ranks of the node, measured (None: not measured, keep the preset)."""
+    cores: int = 0
+    """The cores the node's ranks share where they outnumber them (`shared_cores`), else 0."""
 
 
 def measure_node(device: str, devices: int | None) -> NodeMeasurement:
@@ -82,18 +84,31 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
     count = devices or (torch.cuda.device_count() if kind_name == "cuda" else 1)
     if count < 1:
         raise DappleError(f"calibrate: --devices must be at least 1, not {count}")
-    shared = kind_name == "cpu" and count > 1
+    cores = shared_cores(kind_name, count)
+    # Ranks beyond the cores take turns, which the simulator models (`ClusterSpec.cores_per_node`): a rank is measured
+    # as it computes while every core does, one rank per core, not time-sliced as well.
+    working = min(count, cores) if cores else count
     with rank_threads(kind_name, count):
         solo = measure_device(torch.device(device), kind_name, count)
         kind = solo
-        if shared:
-            share = _shared_rate(torch.device(device), kind_name, count - 1)
+        if kind_name == "cpu" and working > 1:
+            share = _shared_rate(torch.device(device), kind_name, working - 1)
             flops = {k: v * share for k, v in solo.peak_flops.items()}
-            kind = measure_device(torch.device(device), kind_name, count, neighbours=count - 1, flops=flops)
-    if not shared:
-        return NodeMeasurement(kind, solo, count, None)
+            kind = measure_device(torch.device(device), kind_name, count, neighbours=working - 1, flops=flops)
+    if kind_name != "cpu" or count == 1:
+        return NodeMeasurement(kind, solo, count, None, cores)
     link, slowdown = measure_cpu_link()
-    return NodeMeasurement(dataclasses.replace(kind, busy_receive_slowdown=slowdown), solo, count, link)
+    return NodeMeasurement(dataclasses.replace(kind, busy_receive_slowdown=slowdown), solo, count, link, cores)
+
+
+def shared_cores(kind_name: str, devices: int) -> int:
+    """The cores `devices` CPU ranks of this node share where they outnumber them (`ClusterSpec.cores_per_node`),
+    else 0: a GPU rank, or a CPU rank with a core of its own, shares none. The cores are the ones this process may
+    run on (taskset and cgroups respected), as `dapple run`'s ranks get them."""
+    if kind_name != "cpu":
+        return 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable if usable < devices else 0
 
 
 def measure_device(
