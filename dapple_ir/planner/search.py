@@ -879,6 +879,14 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
         f"{'#':>3}  {'source':<34} {'S':>3} {'replicas':<18} {'P':>3} {'policy':<13} {'M':>4} {'schedule':<8} "
         f"{'model ms':>10} {'sim ms':>10} {'peak GB':>8} {'recompute':<12} {'busiest link':<16} {'%':>3}  verdict",
     ]
+    cluster = problem.cluster
+    if cluster.shares_cores:
+        lines.insert(
+            1,
+            f"each node's {cluster.devices_per_node} ranks share {cluster.cores_per_node} core(s): they take turns "
+            "(simulated), and no plan is faster than its busiest node's work over its cores (the model's core "
+            f"floor; the chosen plan's: {chosen.estimate.cores_s * 1e3:.3f} ms)",
+        )
     # The best dozen, and every baseline as proposed (a user compares against those first).
     baselines = [s for s in ranked[12:] if s.cand.source.startswith("baseline:") and "~" not in s.cand.source]
     for k, s in enumerate([*ranked[:12], *baselines, *rejected[:8]], start=1):
