@@ -666,7 +666,8 @@ class _Simulator:
                     d += own_host[i]
                 if replayed is not None:
                     d = replayed.get((r, i), d)
-                if core_paths is not None and d > 0 and core_paths[r] is not None:
+                core_path = core_paths[r] if core_paths is not None else None
+                if core_path is not None and d > 0:
                     # On shared cores: the work starts on the global clock and ends when its share has done it.
                     if t > now:
                         if heap and heap[0][0] < t:
@@ -675,7 +676,7 @@ class _Simulator:
                         now = t
                     assert cores is not None
                     st[i] = t
-                    flow, moved = cores.start(t, core_paths[r], d)  # type: ignore[arg-type]
+                    flow, moved = cores.start(t, core_path, d)
                     computing[flow] = (r, i)
                     for bundle, end, current in moved:
                         heappush(heap, (end, self.next_ticket(), _CORE_END, bundle, current))
@@ -855,18 +856,19 @@ def _core_paths(cluster: ClusterSpec, devices: list[int]) -> tuple[list[tuple[in
     ranks_on: dict[int, int] = {}
     for d in devices:
         ranks_on[cluster.node_of(d)] = ranks_on.get(cluster.node_of(d), 0) + 1
-    shared = sorted(node for node, count in ranks_on.items() if count > cluster.cores_per_node)
+    # The shared nodes' cores are the first links, one per node; each rank's thread follows.
+    shared = {
+        node: k for k, node in enumerate(n for n, count in sorted(ranks_on.items()) if count > cluster.cores_per_node)
+    }
     if not shared:
         return None, []
     capacity = [float(cluster.cores_per_node)] * len(shared)
     paths: list[tuple[int, int] | None] = []
     for d in devices:
-        node = cluster.node_of(d)
-        if node not in ranks_on or ranks_on[node] <= cluster.cores_per_node:
-            paths.append(None)
-            continue
-        paths.append((shared.index(node), len(capacity)))
-        capacity.append(1.0)
+        node = shared.get(cluster.node_of(d))
+        paths.append(None if node is None else (node, len(capacity)))
+        if node is not None:
+            capacity.append(1.0)
     return paths, capacity
 
 
