@@ -569,11 +569,7 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int, solo: bool = False) -
         for k in _steps(reports, warmup):
             start, end = r["step_times"][str(k)]
             step = _step_spans(r, k)
-            waits = [
-                (max(0.0, sp["end_s"] - sp["start_s"] - floor), sp.get("queued_s") or 0.0)
-                for sp in step
-                if sp["kind"] in WAITS
-            ]
+            waits = [(max(0.0, sp["end_s"] - sp["start_s"] - floor), _queued(sp)) for sp in step if sp["kind"] in WAITS]
             held_up = sum(_queued(sp) for sp in step if sp["kind"] not in WAITS) if solo else 0.0
             busy.append(end - start - sum(w for w, _ in waits) - held_up)
             queued.append(sum(min(w, q) for w, q in waits))

@@ -638,9 +638,10 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
 
 
 def core_floor(cluster: ClusterSpec, busy: Iterable[tuple[tuple[int, ...], float]]) -> float:
-    """The least time a node's shared cores take for its ranks' work: for (devices, busy seconds of each) pairs,
-    the most any node whose ranks outnumber its cores (`ClusterSpec.shares_cores`) has to do over its cores; 0
-    where no node shares."""
+    """The least time a node's cores take for its ranks' work: for (devices, busy seconds of each) pairs, the most
+    any node has to do over its cores, where the cluster's nodes have fewer cores than devices
+    (`ClusterSpec.shares_cores`); 0 elsewhere. A node whose plan uses no more ranks than it has cores gets a bound
+    below its busiest rank's work, so only an oversubscribed node ever sets it."""
     if not cluster.shares_cores:
         return 0.0
     per_node: dict[int, float] = {}

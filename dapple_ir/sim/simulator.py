@@ -559,6 +559,7 @@ class _Simulator:
                 continue
             instrs, st, en = programs[r].instrs, starts[r], ends[r]
             own_host = host[r] if host is not None else None
+            core_path = core_paths[r] if core_paths is not None else None
             posts_of = post_at[r]
             i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
             while i < limit:
@@ -666,7 +667,6 @@ class _Simulator:
                     d += own_host[i]
                 if replayed is not None:
                     d = replayed.get((r, i), d)
-                core_path = core_paths[r] if core_paths is not None else None
                 if core_path is not None and d > 0:
                     # On shared cores: the work starts on the global clock and ends when its share has done it.
                     if t > now:
