@@ -50,7 +50,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -523,6 +523,10 @@ def split_points(plan_dir: Path) -> dict[str, str]:
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
 #: Span kinds in which a rank may wait for other ranks (on top of what the call itself costs it).
 WAITS = ("recv", "allreduce")
+#: Span kinds a replayed step times (`step_durations`): the rank's own work, each where it ran. A load before a
+#: receive runs while the rank waits for the data (a step's first load makes the global batch: 2.4 ms of a 55 ms
+#: MLP step), so it is timed in place, not carried past the wait to the next computation.
+REPLAYED = (*COMPUTE, "optimizer_step", "load_microbatch", "free")
 
 
 @dataclass(frozen=True)
@@ -539,13 +543,17 @@ class RankCosts:
     queued_s: float = 0.0
     """Of the time the rank waited, what it spent runnable but waiting for a CPU (`Span.queued_s`): cores shared
     with other ranks, not the plan."""
+    loads: dict[int, float] = field(default_factory=dict)
+    """Median span of each load by its index in the rank's program: a step's first load makes the global batch."""
 
     @property
     def work_factor(self) -> float:
-        """Busy time outside the optimizer step per second of median compute: 1 + the host's share (issuing
-        sends, posting receives, loads, frees, the memory meter, Python) that the simulator has no instruction for."""
+        """Busy time outside the optimizer step and the loads per second of median compute: 1 + the host's share
+        (issuing sends, posting receives, frees, the memory meter, Python) that the simulator has no instruction
+        for."""
         compute = sum(self.compute[k] * n for k, n in self.counts.items())
-        return (self.busy_s - self.optimizer_s) / compute if compute > 0 else 1.0
+        own = self.busy_s - self.optimizer_s - sum(self.loads.values())
+        return own / compute if compute > 0 else 1.0
 
 
 def _step_spans(report: dict[str, Any], step: int) -> list[dict[str, Any]]:
@@ -566,6 +574,7 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int, solo: bool = False) -
     for r in reports:
         floor = _receive_floor(r)
         busy, optimizer, spans, queued = [], [], [], []
+        loads: dict[int, list[float]] = {}
         for k in _steps(reports, warmup):
             start, end = r["step_times"][str(k)]
             step = _step_spans(r, k)
@@ -575,12 +584,16 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int, solo: bool = False) -
             queued.append(sum(min(w, q) for w, q in waits))
             optimizer.append(sum(_length(sp, solo) for sp in step if sp["kind"] == "optimizer_step"))
             spans.append([sp for sp in step if sp["kind"] in COMPUTE])
+            for sp in step:
+                if sp["kind"] == "load_microbatch":
+                    loads.setdefault(sp["index"], []).append(_length(sp, solo))
         durations: dict[tuple[str, str], list[float]] = {}
         for sp in (sp for step in spans for sp in step):
             durations.setdefault((sp["kind"], sp["stage"]), []).append(_length(sp, solo))
         counts = {key: len(v) // len(spans) for key, v in durations.items()}
         compute = {key: median(v) for key, v in durations.items()}
-        costs.append(RankCosts(median(busy), median(optimizer), compute, counts, median(queued)))
+        load_s = {index: median(v) for index, v in loads.items()}
+        costs.append(RankCosts(median(busy), median(optimizer), compute, counts, median(queued), load_s))
     return costs
 
 
@@ -762,11 +775,12 @@ def simulated_waiting(
                 for op in stage.ops:
                     own = getattr(op.attrs, attr) or 0.0
                     setattr(op.attrs, attr, own * total / modelled if modelled > 0 else total / scale / len(stage.ops))
-    # Each rank's optimizer step takes its measured time, given as the instruction's duration.
+    # Each rank's optimizer step and loads take their measured times, given as the instructions' durations.
     steps = {
         (r, next(i for i, ins in enumerate(p.instrs) if ins.kind is InstrKind.OPTIMIZER_STEP)): c.optimizer_s
         for r, (p, c) in enumerate(zip(module.programs, costs, strict=True))
     }
+    steps.update({(r, index): seconds for r, c in enumerate(costs) for index, seconds in c.loads.items()})
     found = []
     for link, slowdown in links:
         cluster = _measured_cluster(len(costs), link, slowdown, cores)
@@ -776,9 +790,9 @@ def simulated_waiting(
 
 
 def step_durations(reports: list[dict[str, Any]], warmup: int) -> list[dict[tuple[int, int], float]]:
-    """Per measured step after warm-up: (rank, index) -> seconds of each forward, backward and optimizer step, its
-    span plus the rank's own work since the previous one (sends handed over, loads, frees, a receive's cost when its
-    data is there, Python between calls); a step's tail goes to its last."""
+    """Per measured step after warm-up: (rank, index) -> seconds of each forward, backward, optimizer step, load
+    and free (`REPLAYED`), its span plus the rank's own work since the previous one (sends handed over, a receive's
+    cost when its data is there, Python between calls); a step's tail goes to its last."""
     floors = [_receive_floor(r) for r in reports]
     steps = []
     for k in _steps(reports, warmup):
@@ -790,7 +804,7 @@ def step_durations(reports: list[dict[str, Any]], warmup: int) -> list[dict[tupl
                 length = sp["end_s"] - sp["start_s"]
                 carry += max(0.0, sp["start_s"] - clock) + (min(length, floor) if sp["kind"] in WAITS else length)
                 clock = sp["end_s"]
-                if sp["kind"] in (*COMPUTE, "optimizer_step"):
+                if sp["kind"] in REPLAYED:
                     last = (rank, sp["index"])
                     durations[last], carry = carry, 0.0
             if last is not None:
@@ -1199,7 +1213,9 @@ def main(argv: list[str] | None = None) -> int:
         "less the rank's 10th-percentile receive span (what a receive costs when its data is there). Simulated: "
         "the simulator on the plan with what that run measured: each compute instruction its median span, scaled "
         "per rank so that the rank's simulated work equals its measured busy time (the host's work spread over its "
-        "computations), each rank's optimizer step its measured median, every transfer latency + bytes/bandwidth "
+        "computations), each rank's optimizer step and each load its measured median (a load runs where it ran: "
+        "the last stage's first, which makes the step's batch, while it waits for the first activation), every "
+        "transfer latency + bytes/bandwidth "
         "fitted to the transfers whose receiver was already waiting (from the send's issue to the receive's end; "
         "least squares, so the mean cost at each size, a rank's waiting being a sum over transfers), slowed by the "
         "run's fitted busy receiver's slowdown while its receiver computes (below), and each "
@@ -1225,7 +1241,8 @@ def main(argv: list[str] | None = None) -> int:
         "above) in place of the fit, a prediction whose slowdown no run's transfers informed; the spread and the "
         "replay use the fit too.",
         "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
-        "backward and optimizer step its own measured span plus the rank's work since its previous one, every "
+        "backward, optimizer step, load and free its own measured span plus the rank's work since its previous one "
+        "(so work done before a receive is replayed before it, not after the wait), every "
         "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "
         "ranks' measured work, stalls included; measured waiting beyond it is time no dependency explains.",
         "replayed with measured transfers: the replay with every transfer its own measured time too (from the later "

@@ -322,6 +322,43 @@ def test_runtime_bench_replays_a_step_as_measured(tmp_path: Path) -> None:
     assert rt.waiting_shares(reports, 1, costs) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
 
 
+def test_runtime_bench_replays_a_load_where_it_ran(tmp_path: Path) -> None:
+    """A timeline whose loads take 0.05 s each (a step's global batch made at its first): the last stage loads its
+    first targets while it waits for the first activation, so that load hides in the wait. The replay and the
+    median-cost simulation time each load in place and find the simulated waiting; carried past the receive to the
+    next forward, as the replay did before, the load would add to the last stage's chain and to both ranks' waiting."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
+
+    module, durations = _modelled_plan(tmp_path, "1f1b")
+    loads = {
+        (r, i): 0.05
+        for r, p in enumerate(module.programs)
+        for i, ins in enumerate(p.instrs)
+        if ins.kind is InstrKind.LOAD_MICROBATCH
+    }
+    last = len(module.programs) - 1
+    first_load = min(i for r, i in loads if r == last)
+    assert module.programs[last].instrs[first_load + 1].kind is InstrKind.RECV  # a load before a wait
+    link = Link(math.inf, 0.0)
+    cluster = rt._measured_cluster(2, link)
+    hidden = simulate(module, cluster=cluster, durations={**durations, (last, first_load): 0.05})
+    assert hidden.iteration_s == pytest.approx(simulate(module, cluster=cluster, durations=durations).iteration_s)
+    sim = simulate(module, cluster=cluster, durations={**durations, **loads})
+    reports = _as_measured(module, sim, 3)
+    steps = rt.step_durations(reports, 1)
+    assert all(steps[0][key] == pytest.approx(0.05) for key in loads)
+    assert rt.replayed_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    costs = rt.rank_costs(reports, 1)
+    assert costs[last].loads[first_load] == pytest.approx(0.05)
+    ((simulated, iteration),) = rt.simulated_waiting(tmp_path / "plan", costs, [(link, 1.0)])
+    assert iteration == pytest.approx(sim.iteration_s)
+    assert simulated == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+
+
 def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> None:
     """A timeline the simulator made with a 10 ms link, handed to the bench as if measured: every transfer it reads
     off took one link time from its start (or two where the receive was posted after the send: the ready notice

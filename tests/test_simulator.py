@@ -663,3 +663,26 @@ def test_replayed_durations_replace_the_modelled_ones(kind: str) -> None:
     assert simulate(module, durations={(0, first): f + x}).iteration_s == pytest.approx(closed + x)
     with pytest.raises(DappleError, match="rank 0 has no instruction 999"):
         simulate(module, durations={(0, 999): 1.0})
+
+
+def test_a_replayed_free_is_host_work_that_overlaps_a_wait_before_it_delays() -> None:
+    """1F1B, 2 stages, 2 microbatches, f = 1, b = 2: iteration (M + S - 1)(f + b) = 9. Rank 0 frees after its
+    first backward (ends at 6) and then waits for the last gradient until 7: a replayed free of y <= 1 there hides in
+    that wait, one of 1 + x delays the end by x. Rank 1's free after its first backward sits right before its
+    second forward, on the critical path: it adds its whole time. Either way the rank is busy for it."""
+    f, b = 1.0, 2.0
+    module = schedule_module("1f1b", 2, 2, fwd_s=f, bwd_s=b)
+    closed = 3 * (f + b)
+    base = simulate(module)
+    assert base.iteration_s == pytest.approx(closed)
+
+    def first_free(rank: int) -> int:
+        return next(i for i, ins in enumerate(module.programs[rank].instrs) if ins.kind is InstrKind.FREE)
+
+    hidden = simulate(module, durations={(0, first_free(0)): 0.75})
+    assert hidden.iteration_s == pytest.approx(closed)
+    assert hidden.busy_s[0] == pytest.approx(base.busy_s[0] + 0.75)
+    assert simulate(module, durations={(0, first_free(0)): 1.5}).iteration_s == pytest.approx(closed + 0.5)
+    delayed = simulate(module, durations={(1, first_free(1)): 0.25})
+    assert delayed.iteration_s == pytest.approx(closed + 0.25)
+    assert delayed.busy_s[1] == pytest.approx(base.busy_s[1] + 0.25)

@@ -49,7 +49,8 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `optimizer_step` streams parameters, gradients and optimizer state through device memory once:
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
-- `load_microbatch` and `free` take no time.
+- `load_microbatch` and `free` take no time, but in a replay (`simulate`'s `durations`), where they take what the
+  measured step spent on them: host work on the rank's own stream, before the receive that follows.
 - ranks that share cores (`ClusterSpec.cores_per_node` below a node's ranks: CPU ranks of one thread each on a
   machine with fewer cores) take turns: each compute instruction (forward, backward, input or weight pass,
   optimizer step, its host work included) is its seconds of work on one core, done at min(1, c / k) of a core's
@@ -254,8 +255,9 @@ def simulate(
     hands a gradient back, or by stage name (a stage not named gets `BACKWARD_INPUT_FRACTION`, or 0 where it
     hands none back).
     `durations`: seconds by (rank, instruction index) that replace the modelled time of those forward,
-    backward (whole, input or weight) and optimizer-step instructions: a measured step replayed on the
-    plan's dependencies (`bench/runtime_vs_torch_pipelining.py`). A send's entry is its transfer's time,
+    backward (whole, input or weight) and optimizer-step instructions, or give loads and frees the host time
+    they took (busy, on the rank's stream): a measured step replayed on the plan's dependencies
+    (`bench/runtime_vs_torch_pipelining.py`). A send's entry is its transfer's time,
     from the later of the send and its receive's post to the data's arrival (the ready notice and any link
     sharing included: the transfer takes no link). Other kinds keep their own timing.
     """
@@ -524,11 +526,12 @@ class _Simulator:
             InstrKind.SEND,
             InstrKind.RECV,
         )
-        k_bwd_input, k_bwd_weight, k_step, k_reduce = (
+        k_bwd_input, k_bwd_weight, k_step, k_reduce, k_load = (
             InstrKind.BACKWARD_INPUT,
             InstrKind.BACKWARD_WEIGHT,
             InstrKind.OPTIMIZER_STEP,
             InstrKind.ALLREDUCE,
+            InstrKind.LOAD_MICROBATCH,
         )
         now = 0.0
         while heap:
@@ -581,10 +584,13 @@ class _Simulator:
                     d = fwd[r][instr.stage]  # type: ignore[index]
                 elif kind is k_bwd:
                     d = bwd[r][instr.stage]  # type: ignore[index]
-                elif kind is k_free:
-                    st[i] = en[i] = t
-                    i += 1
-                    continue
+                elif kind is k_free or kind is k_load:
+                    # Host work of the rank's own: timed only in a replay (a measured step's loads and frees).
+                    d = replayed.get((r, i), 0.0) if replayed is not None else 0.0
+                    if d <= 0.0:
+                        st[i] = en[i] = t
+                        i += 1
+                        continue
                 elif kind is k_send:
                     # A flow starts on the network's clock: wait until nothing else happens first.
                     if t > now:
