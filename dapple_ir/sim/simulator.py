@@ -49,8 +49,8 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
 - `optimizer_step` streams parameters, gradients and optimizer state through device memory once:
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
-- `load_microbatch` and `free` take no time, but in a replay (`simulate`'s `durations`), where they take what the
-  measured step spent on them: host work on the rank's own stream, before the receive that follows.
+- `load_microbatch` and `free` take no time, except in a replay (`simulate`'s `durations`): there each takes what
+  the measured step spent on it, as host work on the rank's own stream before the receive that follows.
 - ranks that share cores (`ClusterSpec.cores_per_node` below a node's ranks: CPU ranks of one thread each on a
   machine with fewer cores) take turns: each compute instruction (forward, backward, input or weight pass,
   optimizer step, its host work included) is its seconds of work on one core, done at min(1, c / k) of a core's
