@@ -195,12 +195,14 @@ def test_lowered_programs_round_trip_through_text(schedule: str) -> None:
 
 def test_peak_bytes_match_hand_computation() -> None:
     # 3 stages of one 512-byte-activation layer each (the loss on s2 keeps another 512), adam: static =
-    # 1024 * 4 per rank. 1f1b with 4 microbatches. Rank 0 peaks with 3 forwards and 1 received gradient:
-    # 4096 + 4 * 512. Rank 1 holds 2 forwards and their 2 received inputs, plus a received gradient:
-    # 4096 + 5 * 512. Rank 2 holds 1 forward (2 * 512) and its received input: 4096 + 3 * 512.
+    # 1024 * 4 per rank. 1f1b with 4 microbatches; each rank posts its next receive (512 B) one compute ahead,
+    # so one more buffer is live at its peak (`post_headroom`). Rank 0 peaks in B1 with 3 forwards, the gradient
+    # of microbatch 1 and that of microbatch 2, posted after F3: 4096 + 5 * 512. Rank 1 holds 2 forwards and their
+    # 2 received inputs, a received gradient and the next one posted: 4096 + 6 * 512. Rank 2 holds 1 forward
+    # (2 * 512), its received input and the next one, posted during its backward: 4096 + 4 * 512.
     module = _run(chain_module([1, 1, 1]), f"schedule{{kind=1f1b,microbatches=4}},{_FULL}")
-    assert peak_bytes_per_rank(module) == {0: 6144.0, 1: 6656.0, 2: 5632.0}
-    assert [p.attrs.peak_bytes for p in module.programs] == [6144.0, 6656.0, 5632.0]
+    assert peak_bytes_per_rank(module) == {0: 6656.0, 1: 7168.0, 2: 6144.0}
+    assert [p.attrs.peak_bytes for p in module.programs] == [6656.0, 7168.0, 6144.0]
 
 
 def test_zero_bubble_keeps_the_weight_pass_gradients_until_the_free() -> None:
@@ -253,9 +255,10 @@ def test_memory_check_names_rank_instruction_and_overflow() -> None:
     message = str(info.value)
     assert "rank 1 instruction 8 `forward @s1 mb = 2`: rank 1 on device 1 needs 9000007168 bytes" in message
     assert "1000007168 bytes more than the device's 8000000000" in message
-    # 1f1b holds one microbatch on the last stage: 4096 + (3e9 + 512) + 512 fits.
+    # 1f1b holds one microbatch on the last stage, beside its input and the next one (posted during the
+    # backward: `post_headroom`): 4096 + (3e9 + 512) + 2 * 512 fits.
     fits = _run(chain_module([1, 1], act=[512.0, 3e9]), f"schedule{{kind=1f1b,microbatches=3}},{_FULL}", "1x2xcpu")
-    assert fits.programs[1].attrs.peak_bytes == 4096 + 3e9 + 512 + 512
+    assert fits.programs[1].attrs.peak_bytes == 4096 + 3e9 + 512 + 2 * 512
 
 
 def test_memory_check_uses_the_module_cluster() -> None:

@@ -76,18 +76,43 @@ def test_posts_keep_program_order_and_skip_the_sends_and_frees_after_a_compute()
     assert early_post_points(first)[grad0] == forward1 + 2
 
 
-def test_memory_model_refuses_a_post_that_would_raise_the_peak() -> None:
-    """1F1B, last stage: F0 B0 F1 B1 ... Posting microbatch 1's input before B0 would hold two inputs beside
-    F0's activations, above the peak (one input + one stage's activations): it stays at its recv."""
+def test_memory_model_lets_a_post_hold_one_computes_receives_above_the_peak() -> None:
+    """1F1B, last stage: F0 B0 F1 B1 ... Posting microbatch 1's input before B0 holds two inputs beside F0's
+    activations, one input above the peak with every receive at its recv (one input + one stage's activations):
+    that is the headroom, one compute's receives, so it is posted there and the peak counts it."""
     module = _lowered("1f1b")
     program = module.programs[1]
     assert _kinds(module, 1)[7:10] == [("load_microbatch", 1), ("recv", 1), ("forward", 1)]
-    assert early_post_points(program.instrs)[8] == 3  # before B0: allowed by the order...
-    assert 8 not in recv_posts(module, program)  # ...but not by the memory
-    for m in (_lowered("1f1b", 8, 4), _lowered("gpipe", 8, 4), _lowered("zb-h1", 8, 4)):
+    assert early_post_points(program.instrs)[8] == 3  # before B0: allowed by the order and by the memory
+    assert recv_posts(module, program) == early_post_points(program.instrs)
+    t = transfer_bytes(module, program.instrs[8].value)  # type: ignore[arg-type]
+    act = Sizes(module).activation(module.stages[1])
+    assert program_peak(module, program).live_bytes == 2 * t + act
+    for m in (_lowered("1f1b", 8, 4), _lowered("gpipe", 8, 4), _lowered("zb-h1", 8, 4), _lowered("1f1b", 8, 2)):
         for p in m.programs:
             without = max(_running(list(_changes(m, p, Sizes(m), {}))), default=0.0)
-            assert program_peak(m, p).live_bytes == without  # never more than with every receive at its recv
+            # By hand: the most bytes any one compute receives since the compute before it.
+            inputs, waiting = [0.0], 0.0
+            for instr in p.instrs:
+                if instr.kind is InstrKind.RECV:
+                    waiting += transfer_bytes(m, instr.value)  # type: ignore[arg-type]
+                elif instr.kind in COMPUTE_KINDS:
+                    inputs.append(waiting)
+                    waiting = 0.0
+            assert without <= program_peak(m, p).live_bytes <= without + max(inputs)
+
+
+def test_memory_model_refuses_a_post_beyond_the_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no headroom (a rank whose peak must not move) the same post stays at its recv, and the peak is the one
+    with every receive at its recv."""
+    from dapple_ir.analysis import peak_memory
+
+    module = _lowered("1f1b")
+    program = module.programs[1]
+    monkeypatch.setattr(peak_memory, "post_headroom", lambda program, sizes: 0.0)
+    assert 8 not in recv_posts(module, program)
+    without = max(_running(list(_changes(module, program, Sizes(module), {}))))
+    assert program_peak(module, program).live_bytes == without
 
 
 def _running(changes: list[tuple[int, float]]) -> list[float]:

@@ -26,9 +26,9 @@ def test_two_processes_train_gpt_like_one_device(tmp_path: Path) -> None:
     assert (plan / "timeline_measured.json").is_file()
     assert not list((plan / "run").glob("error_rank_*.json"))
     # Exact (the check above) with receive buffers reused: after the first microbatches, receives land in
-    # buffers that earlier microbatches' backwards let go of.
+    # buffers that earlier microbatches' backwards let go of: of two steps' receives, at most half need a new one.
     counts = [json.loads((plan / "run" / f"rank_{r}.json").read_text())["recv_buffers"] for r in range(3)]
-    assert all(c["reused"] > c["allocated"] for c in counts), counts
+    assert all(c["reused"] >= c["allocated"] > 0 for c in counts), counts
 
 
 @pytest.mark.parametrize(

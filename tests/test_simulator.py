@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from dapple_ir.analysis import peak_memory
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import (
@@ -431,13 +432,21 @@ def small_cluster(devices: int = 2) -> ClusterSpec:
     return ClusterSpec((kind,), devices, link, Link(10e6, 1e-2), name="test")
 
 
-def test_two_stages_two_microbatches_by_hand() -> None:
+@pytest.fixture
+def no_post_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receives posted early only where they keep the rank's peak (no `post_headroom`): the examples that use it
+    were worked out for receives posted at their recv, the rendezvous at its latest."""
+    monkeypatch.setattr(peak_memory, "post_headroom", lambda program, sizes: 0.0)
+
+
+def test_two_stages_two_microbatches_by_hand(no_post_headroom: None) -> None:
     """2 stages, 2 microbatches (1f1b), a 100 MB/s link with 1 ms latency; worked out on paper.
 
     b = 4 of batch 8: F = 2.0 * 4/8 = 1 s, B = 4.0 * 4/8 = 2 s; h0 moves 40e6 * 4/8 = 20e6 bytes in
     1 ms + 0.2 s = 0.201 s. Rank 0's step: sgd streams 3 * 4000 B of parameters at 12 kB/s = 1 s.
     Rendezvous: bytes move once the receive is posted, a latency after the post at the earliest. Neither
-    rank can post its second receive early (two 20e6 B buffers would pass its peak), so it posts at its recv.
+    rank can post its second receive early (two 20e6 B buffers would pass its peak, and there is no headroom), so
+    it posts at its recv.
       rank 0: F0 0-1 (h0 at 1.201), F1 1-2 (h0 sent at 2, posted at 4.201, at 4.202 + 0.201 = 4.403),
               B0 4.402-6.402, B1 7.604-9.604 (grad posted at 6.402, sent at 7.403), step -10.604
       rank 1: F0 1.201-2.201, B0 -4.201 (grad at 4.402), F1 4.403-5.403, B1 -7.403 (grad at 7.604), step 0 s
@@ -473,6 +482,35 @@ def test_two_stages_two_microbatches_by_hand() -> None:
     ]
 
 
+def test_two_stages_two_microbatches_by_hand_with_early_posts() -> None:
+    """The example above with one compute's receives of headroom (`post_headroom`, 20e6 B): every receive is
+    posted one compute ahead, so no transfer waits for a post.
+      rank 0: F0 0-1, F1 1-2 (grad 0 posted at 1, grad 1 at 2), B0 4.402-6.402 (grad 0 sent at 4.201, 0.201 s),
+              B1 7.402-9.402 (grad 1 sent at 7.201), step -10.402
+      rank 1: F0 1.201-2.201 (h0 of mb 1 posted at 2.201: sent at 2, it moves from 2.202 to 2.403), B0 -4.201,
+              F1 4.201-5.201, B1 -7.201
+    Memory: rank 0 holds both posted gradients beside its two microbatches' activations, rank 1 both inputs
+    beside one microbatch's activations: one 20e6 B buffer more than with every receive at its recv.
+    """
+    order = [one_f_one_b_order(s, 2, 2) for s in range(2)]
+    module = pipeline_module(
+        2, 2, order, fwd_s=2.0, bwd_s=4.0, act_bytes=800.0, out_bytes=40e6, microbatch_size=4, param_elems=1000
+    )
+    module.stages[1].ops[0].attrs.params = None
+    module.params = module.params[:1]
+    result = simulate(module, cluster=small_cluster())
+    computes = {(e.rank, e.instr.kind, e.instr.mb): (e.start_s, e.end_s) for e in result.events()}
+    assert computes[(1, B, 0)] == pytest.approx((2.201, 4.201))
+    assert computes[(1, F, 1)] == pytest.approx((4.201, 5.201))
+    assert computes[(0, B, 0)] == pytest.approx((4.402, 6.402))
+    assert computes[(0, B, 1)] == pytest.approx((7.402, 9.402))
+    sends = {(e.rank, e.instr.mb): (e.start_s, e.end_s) for e in result.events() if e.instr.kind is InstrKind.SEND}
+    assert sends[(0, 1)] == pytest.approx((2.0, 2.403))
+    assert sends[(1, 1)] == pytest.approx((7.201, 7.402))
+    assert result.iteration_s == pytest.approx(10.402)
+    assert result.peak_bytes == pytest.approx([8000 + 2 * 400 + 2 * 20e6, 2 * 20e6 + 400])
+
+
 def test_a_receive_posted_within_a_latency_of_its_send_holds_the_bytes_until_its_notice_is_back() -> None:
     """Rendezvous: the bytes leave at the later of the send and the post plus the latency (gloo's ready notice).
 
@@ -491,7 +529,7 @@ def test_a_receive_posted_within_a_latency_of_its_send_holds_the_bytes_until_its
     assert [k for k in kinds if k[1] in (F, B)] == [(0, F), (1, F), (1, B), (0, B)]
 
 
-def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_post() -> None:
+def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_post(no_post_headroom: None) -> None:
     """A send in `durations` is a measured transfer: it lands that long after the later of its send and its
     receive's post, on no link and with no ready notice of its own (the measurement holds them).
 
@@ -523,7 +561,7 @@ def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_
     assert (result.starts[0][h1], result.ends[0][h1]) == pytest.approx((2.0, 4.501))
 
 
-def test_a_transfer_into_a_busy_receiver_moves_slower_while_it_computes() -> None:
+def test_a_transfer_into_a_busy_receiver_moves_slower_while_it_computes(no_post_headroom: None) -> None:
     """`busy_receive_slowdown`: a transfer moves that many times slower while its receiver computes.
 
     gpipe, 2 stages, 2 microbatches, F = 1 s, B = 2 s, 20e6 B per transfer over 100 MB/s with 0.1 s latency

@@ -432,6 +432,10 @@ class Runtime:
         # Posted one by one, after the sends: a transport that must not run a receive ahead of later sends to
         # the same peer (NCCL, one stream per pair) defers it to its wait (`DistTransport.irecv`).
         self.posted.update((key, self.transport.irecv(peer, tag)) for key, peer, tag in posts)
+        if posts and self.device.type != "cuda" and self.metering:
+            # Posted at the start of an instruction, before it lets go of anything: the meter's samples at
+            # instruction ends would miss the moment the new buffers sit beside what that instruction releases.
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
     def free(self, value: str, mb: int, grad: bool = False) -> None:
         with self._instr("free", None, mb, None):
@@ -527,6 +531,9 @@ class Runtime:
             add(v)
         for g in self.grads.values():
             add(g)
+        for pending in self.posted.values():
+            # A receive posted early holds its buffer from its post, where the memory model counts it.
+            add(getattr(pending, "body", None))
         for rec in self.records.values():
             seen.update(rec.saved)
             for leaf in rec.leaves.values():

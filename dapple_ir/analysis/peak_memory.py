@@ -24,7 +24,7 @@ from typing import Any
 
 from dapple_ir.analysis import memory
 from dapple_ir.analysis.lowering import early_post_points
-from dapple_ir.ir import Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
 
 
 def transfer_bytes(module: Module, value: Op, rows: tuple[int, int] | None = None) -> float:
@@ -269,15 +269,18 @@ def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None)
     """recv index -> index of the instruction its receive is posted before, for the receives posted early.
 
     Each receive `lowering.early_post_points` allows is posted there when its buffer, held from that point
-    to its `recv`, keeps the rank within the peak it has with every receive posted at its `recv`: early
-    posting hides transfers behind compute and never costs memory the plan did not already budget (it
-    may reach that peak sooner, so a memory diagnostic can name an earlier instruction). Taken in
-    program order, so an earlier receive has the first claim on the headroom.
+    to its `recv`, keeps the rank within the peak it has with every receive posted at its `recv` plus one
+    compute's receives (`post_headroom`): early posting hides transfers behind compute and costs at most the
+    inputs of one compute more than the schedule holds, the buffers torch's schedules post ahead too. Every
+    byte of it is counted (`memory_changes`), so the verifier, the planner's finalists and the simulator see
+    the peak the runtime reaches. Taken in program order, so an earlier receive has the first claim on the
+    headroom.
     """
     candidates = early_post_points(program.instrs)
     if not candidates:
         return {}
     sizes = sizes or Sizes(module)
+    headroom = post_headroom(program, sizes)
     level = [0.0] * len(program.instrs)  # live bytes while each instruction runs
     total = 0.0
     changes = iter(_changes(module, program, sizes, {}))
@@ -291,12 +294,25 @@ def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None)
     posts: dict[int, int] = {}
     for recv, post in sorted(candidates.items()):
         size = sizes.moved(program.instrs[recv])
-        if max(level[post:recv]) + size > peak:
+        if max(level[post:recv]) + size > peak + headroom:
             continue
         for index in range(post, recv):
             level[index] += size
         posts[recv] = post
     return posts
+
+
+def post_headroom(program: RankProgram, sizes: Sizes) -> float:
+    """What early posts may hold above the rank's peak: the most bytes one compute waits for, its receives
+    since the compute before it (without headroom a last stage's next input would wait for its recv under
+    1F1B and ZB-H1, and its sender's transport thread would have to answer the late post mid-compute)."""
+    most, waiting = 0.0, 0.0
+    for instr in program.instrs:
+        if instr.kind is InstrKind.RECV and instr.value is not None:
+            waiting += sizes.moved(instr)
+        elif instr.kind in COMPUTE_KINDS:
+            most, waiting = max(most, waiting), 0.0
+    return most
 
 
 def program_peak(module: Module, program: RankProgram, sizes: Sizes | None = None) -> RankPeak:

@@ -71,7 +71,8 @@ def leanest_plan(
     The memory is the cost model's (`stage_memory`); with `transfers`, also what a rank program
     holds beyond it: the values received from earlier stages, kept with each microbatch in flight,
     and the gradient received from the next stage (at most the bytes crossing the cut before and
-    after the stage), so that the plan also fits once lowered, as the simulator counts it. With
+    after the stage), plus the larger of the two posted ahead of its use (`peak_memory.post_headroom`),
+    so that the plan also fits once lowered, as the simulator counts it. With
     `recompute`, each stage may also recompute (`stage_memory`): it then holds one microbatch's
     activations and, per microbatch in flight, its input; whichever needs fewer replicas."""
     cap = problem.capacity(0)
@@ -85,7 +86,9 @@ def leanest_plan(
         """The fewest replicas with which layers [lo, hi), n-th stage from the end, fit."""
         received = cut[lo - 1] * cut_scale if lo > 0 else 0.0
         grad = cut[hi - 1] * cut_scale if hi < layers else 0.0
-        room = cap - (ps[hi] - ps[lo]) - grad
+        # Receives posted one compute ahead hold up to one compute's inputs more (`peak_memory.post_headroom`).
+        ahead = max(received, grad)
+        room = cap - (ps[hi] - ps[lo]) - grad - ahead
         full = (pa[hi] - pa[lo]) * act_scale
         plain = fewest(room, full + received, n)
         if not recompute:
