@@ -74,13 +74,16 @@ SPEC = {
 MODEL = {"tiny": "MLP tiny", "bench": "MLP", "gpt-tiny": "GPT tiny", "gpt": "GPT"}
 #: Each schedule compared, with its stages per rank.
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2}
-#: (size, processes, schedule) of the cases also run without early receive posts, without reused receive
-#: buffers and with the memory meter on every step (the ablation table).
-ABLATED = {("bench", 4, "1f1b"), ("bench", 2, "interleaved"), ("gpt", 2, "1f1b")}
-#: The ablation's sides: ours without early receive posts; ours receiving into a new buffer every time; ours
-#: counting the held bytes after every instruction of every step (`Runtime`'s `meter_steps`); ours with each rank
-#: wherever the OS puts it (the worker's `--no-pin`).
-ABLATIONS = ("bare", "fresh", "metered", "unpinned")
+#: (size, processes, schedule) of the cases also run without early receive posts, without the posts' headroom,
+#: without reused receive buffers and unpinned (the ablation table).
+ABLATED = {("bench", 2, "zb-h1"), ("bench", 2, "interleaved"), ("gpt", 2, "1f1b")}
+#: The ablation's sides: ours without early receive posts; ours posting early only within the peak (no
+#: `peak_memory.post_headroom`: the rule before it); ours receiving into a new buffer every time; ours with each
+#: rank wherever the OS puts it (the worker's `--no-pin`). (Metering every step, measured until 2026-12-02, gave
+#: way to the headroom: docs/runtime.md has its readings.)
+ABLATIONS = ("bare", "tight", "fresh", "unpinned")
+#: Each ablation side's receive posts (`posts_as`); every other side posts as compiled.
+POSTS = {"bare": "none", "tight": "tight"}
 
 
 @dataclass(frozen=True)
@@ -101,12 +104,11 @@ class Config:
     """`cuda`: NCCL, one GPU per rank (bench/device_check.sh); else gloo on the CPU."""
     virtual: int = 1
     """Stages per rank (the interleaved schedule's V); stage k on rank k % procs on both sides."""
-    early_posts: bool = True
-    """False: the ablation's plan, whose rank files post no receive ahead of its `recv` (`no_early_posts`)."""
+    posts: str = "compiled"
+    """The rank files' early receive posts (`posts_as`): `compiled`, or for the ablation `none` (no receive posted
+    ahead of its `recv`) or `tight` (posted early only within the peak, no `peak_memory.post_headroom`)."""
     reuse_buffers: bool = True
     """False: every receive into a new buffer (the worker's `--fresh-buffers`), for the ablation."""
-    meter_every_step: bool = False
-    """True: the memory meter on every step (the worker's `--meter-every-step`), for the ablation."""
     pin_cores: bool = True
     """False: our ranks wherever the OS puts them (the worker's `--no-pin`), for the ablation. torch's ranks are
     pinned as ours are (`cores.pin_rank`): the launcher's choice, not the pipeline's."""
@@ -319,9 +321,8 @@ def rank_pairs(payload: dict[str, Any], out_dir: Path) -> None:
             else:
                 ablated = replace(
                     cfg,
-                    early_posts=side["name"] != "bare",
+                    posts=POSTS.get(side["name"], "compiled"),
                     reuse_buffers=side["name"] != "fresh",
-                    meter_every_step=side["name"] == "metered",
                     pin_cores=side["name"] != "unpinned",
                 )
                 dapple_rank(ablated, Path(side["plan"]), out)
@@ -346,12 +347,11 @@ def dapple_rank(cfg: Config, plan_dir: Path, out_dir: Path) -> None:
         run_dir=str(out_dir),
         device=cfg.device,
         reuse_buffers=cfg.reuse_buffers,
-        meter_every_step=cfg.meter_every_step,
         pin_cores=cfg.pin_cores,
     )
     # The very flags `dapple run` gives the worker it launches; the worker checks the rank files against codegen,
-    # which must then also leave the posts out.
-    with contextlib.nullcontext() if cfg.early_posts else no_early_posts():
+    # which must then post as they do.
+    with posts_as(cfg.posts):
         code = worker.main([str(plan_dir), *worker.worker_flags(options)])
     if code != 0:
         raise SystemExit(code)
@@ -374,8 +374,8 @@ def launch_case(
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Run a case's pairs under one torchrun on 127.0.0.1, every side of a pair in the same rank processes (one
     start-up per case, not per run: it is 10-16 s of a 4-rank launch on 2 cores). `sides` by name: `ours`, `torch`,
-    `bare` (our plan without early receive posts), `fresh` (ours without reused receive buffers), `unpinned` (ours
-    with its ranks wherever the OS puts them), `metered` (ours with the memory meter on every step). Per side,
+    `bare` (our plan without early receive posts), `tight` (ours posting early only within the peak), `fresh`
+    (ours without reused receive buffers), `unpinned` (ours with its ranks wherever the OS puts them). Per side,
     per pair run, the rank reports in rank order."""
     out_dir = Path(tempfile.mkdtemp(prefix="case-", dir=work))
     payload = json.dumps(
@@ -464,30 +464,36 @@ class Uncuttable(RuntimeError):
 
 
 @contextlib.contextmanager
-def no_early_posts() -> Iterator[None]:
-    """Codegen as if the memory model allowed no receive to be posted ahead of its `recv`: rank files without
-    `rt.post_recv`, whose receives then go out with the sends just before them (`Runtime.recv`)."""
+def posts_as(posts: str) -> Iterator[None]:
+    """Codegen whose rank files post receives as `posts` says (`Config.posts`): `compiled` as `peak_memory.recv_posts`
+    marks them; `none`, no `rt.post_recv` (each receive then goes out with the sends just before it,
+    `Runtime.recv`); `tight`, early only where the buffer keeps the rank within its peak (no headroom)."""
+    from dapple_ir.analysis.peak_memory import recv_posts
     from dapple_ir.backends.torch import codegen
 
     marks = codegen.recv_posts
-    codegen.recv_posts = lambda module, program: {}
+    if posts == "none":
+        codegen.recv_posts = lambda module, program: {}
+    elif posts == "tight":
+        codegen.recv_posts = lambda module, program: recv_posts(module, program, headroom=0.0)
     try:
         yield
     finally:
         codegen.recv_posts = marks
 
 
-def plan_without_early_posts(plan_dir: Path) -> Path:
-    """A copy of the plan whose rank files post no receive early (same plan.dapple, same schedule), sealed anew."""
+def plan_with_posts(plan_dir: Path, posts: str) -> Path:
+    """A copy of the plan whose rank files post receives as `posts` says (same plan.dapple, same schedule), sealed
+    anew."""
     from dapple_ir.backends.torch.codegen import emit_rank_programs
     from dapple_ir.plan_dir import PLAN_JSON, write_plan_json
 
-    bare = plan_dir.with_name(plan_dir.name + "-no-early-posts")
-    shutil.copytree(plan_dir, bare, dirs_exist_ok=True)
-    with no_early_posts():
-        emit_rank_programs(parse_module((bare / "plan.dapple").read_text(), str(bare / "plan.dapple")), bare)
-    write_plan_json(bare, json.loads((bare / PLAN_JSON).read_text()))
-    return bare
+    copy = plan_dir.with_name(f"{plan_dir.name}-posts-{posts}")
+    shutil.copytree(plan_dir, copy, dirs_exist_ok=True)
+    with posts_as(posts):
+        emit_rank_programs(parse_module((copy / "plan.dapple").read_text(), str(copy / "plan.dapple")), copy)
+    write_plan_json(copy, json.loads((copy / PLAN_JSON).read_text()))
+    return copy
 
 
 def split_points(plan_dir: Path) -> dict[str, str]:
@@ -879,9 +885,9 @@ def run_case(
     cuts = compile_plan(cfg, plan_dir)
     sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
     if ablate:
-        sides["bare"] = {"plan": str(plan_without_early_posts(plan_dir))}
+        sides["bare"] = {"plan": str(plan_with_posts(plan_dir, "none"))}
+        sides["tight"] = {"plan": str(plan_with_posts(plan_dir, "tight"))}
         sides["fresh"] = {"plan": str(plan_dir)}
-        sides["metered"] = {"plan": str(plan_dir)}
         sides["unpinned"] = {"plan": str(plan_dir)}
     # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the case
     # runs fewer pairs, never none.
@@ -1104,14 +1110,15 @@ def main(argv: list[str] | None = None) -> int:
          "step-0 loss ours", "step-0 loss torch", "pairs"],
     )  # fmt: skip
     ablation = Table(
-        "What early receive posts, reused receive buffers, a meter on two steps and pinned ranks buy (ours with "
+        "What early receive posts, their headroom, reused receive buffers and pinned ranks buy (ours with "
         "every change vs ours without one)",
         ["model", "procs", "schedule", "M", "samples/s with all", "waiting % per rank with all",
          "samples/s without early posts", "speed-up from early posts (time without / with)",
-         "waiting % per rank without early posts", "samples/s without reused buffers",
+         "waiting % per rank without early posts", "samples/s without post headroom",
+         "speed-up from post headroom (time without / with)", "waiting % per rank without post headroom",
+         "samples/s without reused buffers",
          "speed-up from reused buffers (time without / with)", "waiting % per rank without reused buffers",
-         "samples/s metering every step", "speed-up from metering two steps (time every / two)",
-         "waiting % per rank metering every step", "samples/s unpinned",
+         "samples/s unpinned",
          "speed-up from pinning (time unpinned / pinned)", "waiting % per rank unpinned", "same step-0 loss",
          "pairs"],
     )  # fmt: skip
@@ -1195,7 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
         f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), 30 steps per run on the MLP "
         "(steps of 50-80 ms: fewer left its medians noisy), 8 on the GPT, the first 2 steps (1 with --quick) dropped; "
         "medians. A case is one torchrun launch: its rank processes run ours, then torch's (then "
-        "the ablation's: ours without early posts, ours without reused buffers, ours metering every step), pair "
+        "the ablation's: ours without early posts, ours without their headroom, ours without reused buffers, ours "
+        "unpinned), pair "
         "after pair, in the reverse "
         "order every other pair, each run with a "
         "rendezvous of its own.",
@@ -1276,12 +1284,12 @@ def main(argv: list[str] | None = None) -> int:
     ablation.notes += [
         "with all = the plan as compiled, receive buffers reused; without early posts = the same plan.dapple with "
         "rank files generated as if `peak_memory.recv_posts` marked nothing (no `rt.post_recv`: each receive goes "
-        "out with the sends just before it, at its `recv`); without reused buffers = the plan as compiled, every "
-        "receive into a new buffer (the worker's --fresh-buffers; `ReceiveBuffers`); metering every step = the plan "
-        "as compiled, the CPU memory meter walking every held tensor after every instruction of every step (the "
-        "worker's --meter-every-step) where it now does so on the first two steps and reuses the second's figures "
-        "(`Runtime`'s `meter_steps`: the program holds the same bytes every step once the first has made the "
-        "gradients and the optimizer state); unpinned = the plan as compiled, each rank wherever the OS puts it (the "
+        "out with the sends just before it, at its `recv`); without post headroom = the same plan.dapple with "
+        "rank files posting early only where the buffer keeps the rank within the peak it has with every receive "
+        "at its `recv` (`recv_posts(..., headroom=0)`, the rule before `peak_memory.post_headroom`; the last stage "
+        "of 1F1B and ZB-H1 then posts few of its inputs early); without reused buffers = the plan as compiled, "
+        "every receive into a new buffer (the worker's --fresh-buffers; `ReceiveBuffers`); unpinned = the plan as "
+        "compiled, each rank wherever the OS puts it (the "
         "worker's --no-pin) where it now runs on a core of its own (`cores.pin_rank`: where the node has a core per "
         "rank, so the 2-rank cases here; 4 ranks on 2 cores run unpinned either way). All run inside each A/B pair "
         "of the table above; a speed-up is the "

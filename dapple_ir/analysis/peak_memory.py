@@ -265,7 +265,9 @@ def _rerun_bytes(sizes: Sizes, stage: Stage) -> float:
     return max(0.0, sizes.activation(stage) - sizes.loaded(stage))
 
 
-def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None) -> dict[int, int]:
+def recv_posts(
+    module: Module, program: RankProgram, sizes: Sizes | None = None, headroom: float | None = None
+) -> dict[int, int]:
     """recv index -> index of the instruction its receive is posted before, for the receives posted early.
 
     Each receive `lowering.early_post_points` allows is posted there when its buffer, held from that point
@@ -274,13 +276,14 @@ def recv_posts(module: Module, program: RankProgram, sizes: Sizes | None = None)
     inputs of one compute more than the schedule holds, the buffers torch's schedules post ahead too. Every
     byte of it is counted (`memory_changes`), so the verifier, the planner's finalists and the simulator see
     the peak the runtime reaches. Taken in program order, so an earlier receive has the first claim on the
-    headroom.
+    headroom. `headroom`: bytes in place of `post_headroom`'s (0: posts only within the peak, the rule before
+    the headroom, which the runtime benchmark's ablation measures against).
     """
     candidates = early_post_points(program.instrs)
     if not candidates:
         return {}
     sizes = sizes or Sizes(module)
-    headroom = post_headroom(program, sizes)
+    headroom = post_headroom(program, sizes) if headroom is None else headroom
     level = [0.0] * len(program.instrs)  # live bytes while each instruction runs
     total = 0.0
     changes = iter(_changes(module, program, sizes, {}))
