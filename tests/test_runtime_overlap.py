@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dapple_ir.analysis.lowering import early_post_points
-from dapple_ir.analysis.peak_memory import Sizes, _changes, memory_changes, program_peak, recv_posts, transfer_bytes
+from dapple_ir.analysis.peak_memory import Sizes, memory_changes, program_peak, recv_posts, transfer_bytes
 from dapple_ir.backends.torch.transport import DistTransport
 from dapple_ir.backends.torch.worker import RunOptions
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module
@@ -90,7 +90,7 @@ def test_memory_model_lets_a_post_hold_one_computes_receives_above_the_peak() ->
     assert program_peak(module, program).live_bytes == 2 * t + act
     for m in (_lowered("1f1b", 8, 4), _lowered("gpipe", 8, 4), _lowered("zb-h1", 8, 4), _lowered("1f1b", 8, 2)):
         for p in m.programs:
-            without = max(_running(list(_changes(m, p, Sizes(m), {}))), default=0.0)
+            without = max(_running(list(memory_changes(m, p, Sizes(m), {}))), default=0.0)
             # By hand: the most bytes any one compute receives since the compute before it.
             inputs, waiting = [0.0], 0.0
             for instr in p.instrs:
@@ -109,8 +109,8 @@ def test_memory_model_refuses_a_post_beyond_the_headroom() -> None:
     program = module.programs[1]
     tight = recv_posts(module, program, headroom=0.0)
     assert 8 not in tight and tight  # the first input, posted at the step's start, still fits
-    without = max(_running(list(_changes(module, program, Sizes(module), {}))))
-    assert max(_running(list(_changes(module, program, Sizes(module), tight)))) == without
+    without = max(_running(list(memory_changes(module, program, Sizes(module), {}))))
+    assert max(_running(list(memory_changes(module, program, Sizes(module), tight)))) == without
 
 
 def _running(changes: list[tuple[int, float]]) -> list[float]:

@@ -214,49 +214,81 @@ def memory_changes(
     say) releases nothing and is left out. A receive posted early (`recv_posts`, or `posts` where the
     caller already has them) holds its buffer from the instruction it is posted before, not from its `recv`."""
     sizes = sizes or Sizes(module)
-    return _changes(module, program, sizes, recv_posts(module, program, sizes) if posts is None else posts)
+    if posts is None:
+        return iter(posted_changes(module, program, sizes)[1])
+    return iter(_posted(_changes(module, program, sizes), posts))
 
 
-def _changes(module: Module, program: RankProgram, sizes: Sizes, posts: dict[int, int]) -> Iterator[tuple[int, float]]:
+def posted_changes(
+    module: Module, program: RankProgram, sizes: Sizes | None = None
+) -> tuple[dict[int, int], list[tuple[int, float]]]:
+    """`recv_posts` and `memory_changes` under those posts, for the price of one walk over the program."""
+    sizes = sizes or Sizes(module)
+    base = _changes(module, program, sizes)
+    posts = _posts(program, sizes, base, None)
+    return posts, _posted(base, posts)
+
+
+def _changes(module: Module, program: RankProgram, sizes: Sizes) -> list[tuple[int, float, int]]:
+    """(instruction index, bytes, receive) for each change with every receive posted at its `recv`, in program
+    order: `receive` is the index of the `recv` whose buffer the change allocates (what a post moves), else -1."""
     live: dict[tuple[object, ...], float] = {}
     share = _share(module, program.attrs.replica or 0)
-    posted_before: dict[int, list[int]] = {}
-    for recv, post in posts.items():
-        posted_before.setdefault(post, []).append(recv)
+    found: list[tuple[int, float, int]] = []
+    k_free, k_fwd, k_bin, k_bwd, k_recv = (
+        InstrKind.FREE,
+        InstrKind.FORWARD,
+        InstrKind.BACKWARD_INPUT,
+        InstrKind.BACKWARD,
+        InstrKind.RECV,
+    )
     for index, instr in enumerate(program.instrs):
-        for recv in sorted(posted_before.get(index, ())):
-            early = program.instrs[recv]
-            assert early.value is not None
-            size = sizes.moved(early)
-            if size > 0:
-                live[_key(early)] = live.get(_key(early), 0.0) + size
-                yield index, size
         kind, stage = instr.kind, instr.stage
-        if kind is InstrKind.FREE:
+        receive = -1
+        if kind is k_free:
             size = -live.pop(_key(instr), 0.0)
-        elif kind is InstrKind.FORWARD and stage is not None:
+        elif kind is k_fwd and stage is not None:
             # A recomputing stage's forward keeps only its inputs: the received ones are held as
             # transfers until its backward anyway, the loaded ones (model inputs, targets) count here.
             size = share(stage) * (sizes.loaded(stage) if stage.recompute else sizes.activation(stage))
-        elif kind is InstrKind.BACKWARD_INPUT and stage is not None:
+        elif kind is k_bin and stage is not None:
             # The rerun forward's activations stay until the weight pass when the backward is split.
             size = share(stage) * (sizes.weight_pass(stage) + (_rerun_bytes(sizes, stage) if stage.recompute else 0.0))
-        elif kind is InstrKind.BACKWARD and stage is not None and stage.recompute:
+        elif kind is k_bwd and stage is not None and stage.recompute:
             # The rerun forward's activations live while the backward runs, then go.
             act = share(stage) * _rerun_bytes(sizes, stage)
             if act > 0:
-                yield index, act
-                yield index, -act
+                found.append((index, act, -1))
+                found.append((index, -act, -1))
             continue
-        elif kind is InstrKind.RECV and instr.value is not None and index not in posts:
-            size = sizes.moved(instr)
+        elif kind is k_recv and instr.value is not None:
+            size, receive = sizes.moved(instr), index
         else:
             continue
         if size > 0:
             key = _key(instr)
             live[key] = live.get(key, 0.0) + size
         if size:
-            yield index, size
+            found.append((index, size, receive))
+    return found
+
+
+def _posted(base: list[tuple[int, float, int]], posts: dict[int, int]) -> list[tuple[int, float]]:
+    """`_changes`' list with each receive in `posts` allocating at the instruction it is posted before, ahead of
+    that instruction's own change (receives posted at one point in program order)."""
+    if not posts:
+        return [(index, size) for index, size, _ in base]
+    moved = sorted((posts[receive], receive, size) for _, size, receive in base if receive in posts)
+    found: list[tuple[int, float]] = []
+    j, left = 0, len(moved)
+    for index, size, receive in base:
+        while j < left and moved[j][0] <= index:
+            found.append((moved[j][0], moved[j][2]))
+            j += 1
+        if receive not in posts:
+            found.append((index, size))
+    found.extend((post, size) for post, _, size in moved[j:])
+    return found
 
 
 def _rerun_bytes(sizes: Sizes, stage: Stage) -> float:
@@ -279,26 +311,35 @@ def recv_posts(
     headroom. `headroom`: bytes in place of `post_headroom`'s (0: posts only within the peak, the rule before
     the headroom, which the runtime benchmark's ablation measures against).
     """
+    sizes = sizes or Sizes(module)
+    return _posts(program, sizes, _changes(module, program, sizes), headroom)
+
+
+def _posts(
+    program: RankProgram, sizes: Sizes, base: list[tuple[int, float, int]], headroom: float | None
+) -> dict[int, int]:
+    """`recv_posts` from the program's changes with every receive at its `recv` (`_changes`)."""
     candidates = early_post_points(program.instrs)
     if not candidates:
         return {}
-    sizes = sizes or Sizes(module)
-    headroom = post_headroom(program, sizes) if headroom is None else headroom
     level = [0.0] * len(program.instrs)  # live bytes while each instruction runs
-    total = 0.0
-    changes = iter(_changes(module, program, sizes, {}))
-    pending = next(changes, None)
-    for index in range(len(program.instrs)):
-        while pending is not None and pending[0] == index:
-            total += pending[1]
-            pending = next(changes, None)
-        level[index] = total
+    total, at = 0.0, 0
+    for index, size, _ in base:
+        if index > at:
+            level[at:index] = [total] * (index - at)
+            at = index
+        total += size
+    level[at:] = [total] * (len(level) - at)
     peak = max(level)
     posts: dict[int, int] = {}
     for recv, post in sorted(candidates.items()):
         size = sizes.moved(program.instrs[recv])
-        if max(level[post:recv]) + size > peak + headroom:
-            continue
+        held = max(level[post:recv]) + size
+        if held > peak:
+            if headroom is None:  # worked out once a post needs it
+                headroom = post_headroom(program, sizes)
+            if held > peak + headroom:
+                continue
         for index in range(post, recv):
             level[index] += size
         posts[recv] = post

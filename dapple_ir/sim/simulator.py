@@ -96,8 +96,7 @@ from dapple_ir.analysis import memory
 from dapple_ir.analysis.peak_memory import (
     Sizes,
     hosted_stages,
-    memory_changes,
-    recv_posts,
+    posted_changes,
     replica_rows,
     transfer_bytes,
     weight_ops,
@@ -407,10 +406,11 @@ class _Simulator:
         # Per rank, instruction index -> the receives (transfer keys) posted right before it: each recv at its own
         # index, or earlier where `recv_posts` moves it.
         self.post_at: list[dict[int, list[tuple]]] = []  # type: ignore[type-arg]
-        self.early_posts: list[dict[int, int]] = []
+        # Per rank, (instruction index, bytes) of each change of its live memory under those posts.
+        self.changes: list[list[tuple[int, float]]] = []
         for rank, program in enumerate(module.programs):
-            early = recv_posts(module, program, self.sizes)
-            self.early_posts.append(early)
+            early, changes = posted_changes(module, program, self.sizes)
+            self.changes.append(changes)
             here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
             for index, instr in enumerate(program.instrs):
                 if instr.kind is InstrKind.RECV:
@@ -845,10 +845,9 @@ class _Simulator:
 
     def memory_curve(self, rank: int, starts: list[float]) -> list[tuple[float, float]]:
         """(time, bytes) after each allocation or release, as `peak_memory.memory_changes` counts them."""
-        module = self.module
         level = self.sizes.static_of(self.hosted[rank])
         curve = [(0.0, level)]
-        for i, change in memory_changes(module, module.programs[rank], self.sizes, self.early_posts[rank]):
+        for i, change in self.changes[rank]:
             level += change
             curve.append((starts[i], level))
         return curve
