@@ -654,6 +654,9 @@ class Transfer:
     """The sender."""
     index: int
     """The send's index in the sender's program."""
+    queued_s: float = 0.0
+    """Of `seconds`, the time the receiver was runnable but had no core (its receive's `Span.queued_s`, where it
+    waited for the data): not the link's, the host's (`wake_overhead`)."""
 
 
 def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[Transfer]:
@@ -702,7 +705,10 @@ def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[T
                 nbytes = transfer_bytes(module, instr.value, instr.rows)
                 before = max(0.0, recv["start_s"] - begin)
                 away = sum(max(0.0, min(b, recv["start_s"]) - max(a, begin)) for a, b in waits[sp["peer"]])
-                found.append(Transfer(nbytes, seconds, landed, idle, before, before - away, k, r["rank"], sp["index"]))
+                queued = min(_queued(recv), seconds) if landed else 0.0
+                found.append(
+                    Transfer(nbytes, seconds, landed, idle, before, before - away, k, r["rank"], sp["index"], queued)
+                )
     return found
 
 
@@ -714,7 +720,8 @@ def busy_receive_slowdown(found: list[Transfer], link: Link) -> float:
     the slowdown at which those waits add up to the measured ones (zero where the data came first); at least 1,
     at most `MAX_BUSY_RECEIVE_SLOWDOWN` (where even transfers that stop while the receiver is busy would wait less)."""
     began_busy = [t for t in found if not t.idle and t.busy_s > 0]
-    measured = sum(t.seconds - t.before_s for t in began_busy if t.landed)
+    # The woken receiver's wait for a core is the host's (`wake_overhead`), not the transfer's.
+    measured = sum(max(0.0, t.seconds - t.before_s - t.queued_s) for t in began_busy if t.landed)
 
     def waits(slowdown: float) -> float:
         return sum(
@@ -749,14 +756,38 @@ def fitted_link(samples: list[tuple[float, float]]) -> Link:
     return Link(1.0 / slope, max(0.0, my - slope * mx))
 
 
+def link_samples(found: list[Transfer]) -> list[tuple[float, float]]:
+    """(bytes, seconds) of the transfers whose receiver was already waiting, less its wait for a core once the data
+    had come (`wake_overhead` prices that): what `fitted_link` fits the link to."""
+    return [(t.nbytes, t.seconds - t.queued_s) for t in found if t.idle]
+
+
+def wake_overhead(reports: list[dict[str, Any]], warmup: int) -> float:
+    """`DeviceKind.wake_overhead` as the run measured it: the mean run-queue delay (`Span.queued_s`) of the waits
+    that blocked (a receive or allreduce span over twice its rank's floor), over every rank. The mean, since the
+    delays add up over a step: most receives find a core at once, a few wait a scheduler slice for one."""
+    delays = []
+    for r in reports:
+        floor = _receive_floor(r)
+        for k in _steps(reports, warmup):
+            delays += [
+                _queued(sp)
+                for sp in _step_spans(r, k)
+                if sp["kind"] in WAITS and sp["end_s"] - sp["start_s"] > 2 * floor
+            ]
+    return sum(delays) / len(delays) if delays else 0.0
+
+
 def simulated_waiting(
-    plan_dir: Path, costs: list[RankCosts], links: list[tuple[Link, float]], cores: int = 0
+    plan_dir: Path, costs: list[RankCosts], links: list[tuple[Link, float, float]], cores: int = 0
 ) -> list[tuple[list[float], float]]:
-    """Per (link, slowdown), the simulator's idle per rank and its iteration for the plan with what was measured:
+    """Per (link, slowdown, wake), the simulator's idle per rank and its iteration for the plan with what was
+    measured:
     each stage's compute its median span times its rank's `work_factor` (so a rank's simulated work per step is its
     measured busy time), a zero-bubble stage's backward split between its input and weight passes as measured,
     each rank's optimizer step its measured median, every transfer that link, slowed that much while its receiver
-    is busy (`busy_receive_slowdown`); with `cores`, the ranks share that many cores (`ClusterSpec.cores_per_node`:
+    is busy (`busy_receive_slowdown`), a rank that blocked going on `wake` seconds after it may (`wake_overhead`);
+    with `cores`, the ranks share that many cores (`ClusterSpec.cores_per_node`:
     then `costs` are best each on a core of its own, `rank_costs(..., solo=True)`). The costs are set up once for
     all the pairs."""
     from dapple_ir.analysis.memory import batch_scale
@@ -788,8 +819,8 @@ def simulated_waiting(
     }
     steps.update({(r, index): seconds for r, c in enumerate(costs) for index, seconds in c.loads.items()})
     found = []
-    for link, slowdown in links:
-        cluster = _measured_cluster(len(costs), link, slowdown, cores)
+    for link, slowdown, wake in links:
+        cluster = _measured_cluster(len(costs), link, slowdown, cores, wake)
         result = simulate(module, cluster=cluster, backward_input_fraction=fractions, durations=steps)
         found.append((list(result.bubble_fraction), result.iteration_s))
     return found
@@ -832,7 +863,7 @@ def with_transfers(
 
 
 def replayed_waiting(
-    module: Any, steps: list[dict[tuple[int, int], float]], link: Link, slowdown: float = 1.0
+    module: Any, steps: list[dict[tuple[int, int], float]], link: Link, slowdown: float = 1.0, wake: float = 0.0
 ) -> list[float]:
     """Per rank, the simulator's waiting share when it replays each of the measured `steps` (`step_durations`),
     every transfer `link`, read as a measurement reads it: 1 - the median of the rank's busy time over the steps /
@@ -841,7 +872,7 @@ def replayed_waiting(
     Waiting left unexplained by the plan's dependencies and the ranks' measured work shows as a gap."""
     from dapple_ir.sim.simulator import simulate_each
 
-    cluster = _measured_cluster(len(module.programs), link, slowdown)
+    cluster = _measured_cluster(len(module.programs), link, slowdown, wake=wake)
     results = list(simulate_each(module, steps, cluster=cluster))
     iteration = median([result.iteration_s for result in results])
     busy = [median([result.busy_s[r] for result in results]) for r in range(len(module.programs))]
@@ -853,7 +884,7 @@ SPREAD_DRAWS = 31
 
 
 def spread_waiting(
-    module: Any, steps: list[dict[tuple[int, int], float]], link: Link, slowdown: float = 1.0
+    module: Any, steps: list[dict[tuple[int, int], float]], link: Link, slowdown: float = 1.0, wake: float = 0.0
 ) -> list[float]:
     """Per rank, the simulator's waiting with each instruction's time drawn independently from its times over the
     measured `steps` (`dapple_ir.sim.spread`): a prediction from the spread of the costs, where the replay keeps
@@ -864,15 +895,18 @@ def spread_waiting(
     for durations in steps:
         for key, seconds in durations.items():
             samples.setdefault(key, []).append(seconds)
-    cluster = _measured_cluster(len(module.programs), link, slowdown)
+    cluster = _measured_cluster(len(module.programs), link, slowdown, wake=wake)
     return simulate_spread(module, samples=samples, cluster=cluster, draws=SPREAD_DRAWS).bubble_fraction
 
 
-def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int = 0) -> ClusterSpec:
+def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int = 0, wake: float = 0.0) -> ClusterSpec:
     """One node of `ranks` devices, each with a port of its own on a switch of `link`s; a transfer into a busy rank
-    `slowdown` times slower (`busy_receive_slowdown`); with `cores`, the ranks share that many. Nothing costs time
-    but what the bench gives it: compute and optimizer steps come as measured."""
-    kind = DeviceKind("measured", math.inf, {"f32": math.inf}, math.inf, busy_receive_slowdown=slowdown)
+    `slowdown` times slower (`busy_receive_slowdown`); a rank that blocked going on `wake` seconds after it may
+    (`wake_overhead`); with `cores`, the ranks share that many. Nothing costs time but what the bench gives it:
+    compute and optimizer steps come as measured."""
+    kind = DeviceKind(
+        "measured", math.inf, {"f32": math.inf}, math.inf, busy_receive_slowdown=slowdown, wake_overhead=wake
+    )
     return ClusterSpec((kind,), ranks, link, link, name="measured", cores_per_node=cores)
 
 
@@ -914,6 +948,8 @@ def run_case(
         "cpu": waits.cpu,
         "peer": waits.peer,
         "shared": waits.shared,
+        "without_wake": waits.without_wake,
+        "wake": waits.wake,
         "shared_over_measured": waits.shared_iteration_s / median(ours_s),
         "sim_over_measured": sim_step / median(ours_s),
         "ours_held": [max(run[r]["peak_bytes"] for run in ours) for r in range(cfg.procs)],
@@ -966,12 +1002,18 @@ class Waiting:
     """The simulator's with each rank's costs on a core of its own (`rank_costs(..., solo=True)`) and the ranks
     sharing this machine's cores where they outnumber them (`ClusterSpec.cores_per_node`)."""
     shared_iteration_s: float
+    without_wake: list[float]
+    """`simulated` with a rank going on as soon as its data is there, whether or not it has a core."""
+    wake: float
+    """The median over the runs of the fitted `wake_overhead`."""
 
 
 def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int, calibrated: float = 1.0) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     measured, simulated, replayed, spread, iterations, cpu, plain, reconstructed = [], [], [], [], [], [], [], []
     slowdowns, with_calibrated, peer, shared, shared_iterations = [], [], [], [], []
+    without_wake: list[list[float]] = []
+    wakes: list[float] = []
     cores = node_cores(len(module.programs))
     for reports in runs:
         costs = rank_costs(reports, warmup)
@@ -979,14 +1021,20 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         cpu.append(cpu_shares(reports, warmup, costs))
         peer.append([max(0.0, m - c) for m, c in zip(measured[-1], cpu[-1], strict=True)])
         found = transfers(module, reports, warmup)
-        link = fitted_link([(t.nbytes, t.seconds) for t in found if t.idle])
+        link = fitted_link(link_samples(found))
         slowdown = busy_receive_slowdown(found, link)
-        (bubble, iteration), (unslowed, _), (calibrated_bubble, _) = simulated_waiting(
-            plan_dir, costs, [(link, slowdown), (link, 1.0), (link, calibrated)]
+        wake = wake_overhead(reports, warmup)
+        (bubble, iteration), (unslowed, _), (calibrated_bubble, _), (unwoken, _) = simulated_waiting(
+            plan_dir,
+            costs,
+            [(link, slowdown, wake), (link, 1.0, wake), (link, calibrated, wake), (link, slowdown, 0.0)],
         )
+        without_wake.append(unwoken)
+        wakes.append(wake)
         with_calibrated.append(calibrated_bubble)
+        # Sharing the cores makes a rank that waits for one busy, not blocked: no wake there.
         ((on_cores, on_cores_s),) = simulated_waiting(
-            plan_dir, rank_costs(reports, warmup, solo=True), [(link, slowdown)], cores
+            plan_dir, rank_costs(reports, warmup, solo=True), [(link, slowdown, 0.0)], cores
         )
         shared.append(on_cores)
         shared_iterations.append(on_cores_s)
@@ -994,9 +1042,9 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         plain.append(unslowed)
         slowdowns.append(slowdown)
         steps = step_durations(reports, warmup)
-        replayed.append(replayed_waiting(module, steps, link, slowdown))
+        replayed.append(replayed_waiting(module, steps, link, slowdown, wake))
         reconstructed.append(replayed_waiting(module, with_transfers(steps, found, reports, warmup), link))
-        spread.append(spread_waiting(module, steps, link, slowdown))
+        spread.append(spread_waiting(module, steps, link, slowdown, wake))
         iterations.append(iteration)
     return Waiting(
         _by_rank(measured),
@@ -1012,6 +1060,8 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         _by_rank(peer),
         _by_rank(shared),
         median(shared_iterations),
+        _by_rank(without_wake),
+        median(wakes),
     )
 
 
@@ -1096,7 +1146,9 @@ def main(argv: list[str] | None = None) -> int:
         ["model", "procs", "schedule", "M", "ours samples/s", "torch samples/s", "speed-up (torch time / ours)",
          "ours waiting % per rank", "simulated waiting % per rank", "worst gap vs simulated (points)",
          "worst gap vs simulated (% of simulated)", "simulated / measured step",
-         "busy receiver's slowdown (fitted)", "simulated waiting % per rank, no slowdown",
+         "busy receiver's slowdown (fitted)", "woken rank's wait for a core (fitted, us)",
+         "simulated waiting % per rank, no wait for a core", "worst gap vs no wait for a core (%)",
+         "simulated waiting % per rank, no slowdown",
          "worst gap vs no slowdown (%)", "worst gap vs calibrate's slowdown (%)",
          "simulated with spread waiting % per rank", "worst gap vs spread (points)",
          "worst gap vs spread (% of spread)", "replayed waiting % per rank",
@@ -1135,17 +1187,19 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=calibrated)
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 32)
+                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 35)
                 continue
             sim_gap, sim_rel = worst_gap(r["waiting"], r["simulated"])
             replay_gap, replay_rel = worst_gap(r["waiting"], r["replayed"])
             spread_gap, spread_rel = worst_gap(r["waiting"], r["spread"])
             plain_rel = worst_gap(r["waiting"], r["plain"])[1]
+            unwoken_rel = worst_gap(r["waiting"], r["without_wake"])[1]
             calibrated_rel = worst_gap(r["waiting"], r["calibrated"])[1]
             rebuilt_rel = worst_gap(r["waiting"], r["reconstructed"])[1]
             shared_rel = worst_gap(r["peer"], r["shared"])[1]
             for name, rel in (
                 ("median-cost", sim_rel),
+                ("median-cost without the woken ranks' wait for a core", unwoken_rel),
                 ("median-cost without the busy receivers' slowdown", plain_rel),
                 ("median-cost with calibrate's slowdown", calibrated_rel),
                 ("spread", spread_rel),
@@ -1157,7 +1211,8 @@ def main(argv: list[str] | None = None) -> int:
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
                 _pct(r["waiting"]), _pct(r["simulated"]), 100 * sim_gap, 100 * sim_rel, r["sim_over_measured"],
-                r["slowdown"], _pct(r["plain"]), 100 * plain_rel, 100 * calibrated_rel,
+                r["slowdown"], 1e6 * r["wake"], _pct(r["without_wake"]), 100 * unwoken_rel,
+                _pct(r["plain"]), 100 * plain_rel, 100 * calibrated_rel,
                 _pct(r["spread"]), 100 * spread_gap, 100 * spread_rel,
                 _pct(r["replayed"]), 100 * replay_gap, 100 * replay_rel,
                 _pct(r["reconstructed"]), 100 * rebuilt_rel, _pct(r["cpu"]),
@@ -1224,10 +1279,12 @@ def main(argv: list[str] | None = None) -> int:
         "computations), each rank's optimizer step and each load its measured median (a load runs where it ran: "
         "the last stage's first, which makes the step's batch, while it waits for the first activation), every "
         "transfer latency + bytes/bandwidth "
-        "fitted to the transfers whose receiver was already waiting (from the send's issue to the receive's end; "
-        "least squares, so the mean cost at each size, a rank's waiting being a sum over transfers), slowed by the "
-        "run's fitted busy receiver's slowdown while its receiver computes (below), and each "
-        "transfer moving once its receive is posted (the simulator's rendezvous, as gloo and NCCL do it). "
+        "fitted to the transfers whose receiver was already waiting (from the send's issue to the receive's end, "
+        "less the time the woken receiver then waited for a core; least squares, so the mean cost at each size, a "
+        "rank's waiting being a sum over transfers), slowed by the "
+        "run's fitted busy receiver's slowdown while its receiver computes (below), each "
+        "transfer moving once its receive is posted (the simulator's rendezvous, as gloo and NCCL do it), and a "
+        "rank that blocked going on the run's fitted wait for a core later (below). "
         "Both then share each rank's busy time, so the gap is busy x (1/measured period - 1/simulated step): "
         "'simulated / measured step' says how much of it is the step time. What the simulator cannot see is "
         "variance: on 2 cores, the ranks and gloo's socket threads time-share (4 processes on 2 cores: half the "
@@ -1263,8 +1320,12 @@ def main(argv: list[str] | None = None) -> int:
         "run-queue delay, read around every instruction: `Span.queued_s`, backends/torch/run_queue.py): its data "
         "had come, a core had not. With more ranks than cores (4 ranks and gloo's threads on 2 cores) a woken "
         "rank waits for a core; on a machine with a core (or GPU) per rank this is near 0. It is part of what the "
-        "simulator is compared with, not taken out: the fitted link's samples end when the woken receiver runs, "
-        "so they carry the same delays.",
+        "simulator is compared with, not taken out, and the simulator prices it: the woken rank's wait for a core "
+        "(`DeviceKind.wake_overhead`) is fitted per run as the mean run-queue delay of the receives that blocked "
+        "(spans over twice the rank's floor), and the simulator adds it to every receive (and allreduce) where a "
+        "rank blocked; the link's samples leave it out. The mean, since the delays add up over a step: most "
+        "receives find a core at once, a few wait a scheduler slice. 'no wait for a core' is the median-cost "
+        "simulation without it (the same link): what the term adds.",
         "simulated on shared cores: the median-cost simulation with the ranks sharing this machine's cores where "
         "they outnumber them (`ClusterSpec.cores_per_node`, which `dapple calibrate` writes; 4 ranks on 2 cores "
         "here, none shared with 2 ranks): each instruction its median span less the time its rank waited for a "

@@ -221,8 +221,8 @@ def test_runtime_bench_shares_the_cores_it_is_told_of(tmp_path: Path) -> None:
     sim = simulate(module, cluster=rt._measured_cluster(2, free), durations=durations)
     reports = _as_measured(module, sim, 3)
     costs = rt.rank_costs(reports, 1)
-    ((_, alone),) = rt.simulated_waiting(plan, costs, [(free, 1.0)])
-    ((shared_bubble, shared),) = rt.simulated_waiting(plan, costs, [(free, 1.0)], cores=1)
+    ((_, alone),) = rt.simulated_waiting(plan, costs, [(free, 1.0, 0.0)])
+    ((shared_bubble, shared),) = rt.simulated_waiting(plan, costs, [(free, 1.0, 0.0)], cores=1)
     assert shared == pytest.approx(sum(c.busy_s for c in costs))
     assert alone == pytest.approx(sim.iteration_s) and alone < shared
     assert all(0.0 <= b < 1.0 for b in shared_bubble)
@@ -354,7 +354,7 @@ def test_runtime_bench_replays_a_load_where_it_ran(tmp_path: Path) -> None:
     assert rt.replayed_waiting(module, steps, link) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     costs = rt.rank_costs(reports, 1)
     assert costs[last].loads[first_load] == pytest.approx(0.05)
-    ((simulated, iteration),) = rt.simulated_waiting(tmp_path / "plan", costs, [(link, 1.0)])
+    ((simulated, iteration),) = rt.simulated_waiting(tmp_path / "plan", costs, [(link, 1.0, 0.0)])
     assert iteration == pytest.approx(sim.iteration_s)
     assert simulated == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
 
@@ -396,6 +396,39 @@ def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> No
     free = Link(math.inf, 0.0)
     assert rt.replayed_waiting(module, timed, free) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
     assert rt.replayed_waiting(module, rt.step_durations(reports, 0), free) != pytest.approx(list(sim.bubble_fraction))
+
+
+def test_runtime_bench_reads_the_woken_ranks_wait_for_a_core_off_a_timeline(tmp_path: Path) -> None:
+    """A timeline the simulator made with a 10 ms link and a 4 ms wake (`wake_overhead`), handed to the bench as if
+    measured, each receive that blocked runnable for its last 4 ms (`queued_s`, as the run-queue counters read a
+    rank that waited for a core): the bench reads the wake back, leaves it out of the link's samples, and a replay
+    with both waits as the timeline did; without the wake it waits less."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.sim.simulator import simulate
+
+    module, durations = _modelled_plan(tmp_path, "gpipe")
+    durations = {(r, i): s / 10 if r == 1 else s for (r, i), s in durations.items()}
+    first = next(i for i, ins in enumerate(module.programs[1].instrs) if ins.kind is InstrKind.FORWARD)
+    durations[(1, first)] = 0.35  # receives that find their data there: each rank's floor is 0
+    link, wake = Link(math.inf, 0.01), 0.004
+    sim = simulate(module, cluster=rt._measured_cluster(2, link, wake=wake), durations=durations)
+    reports = _as_measured(module, sim, 1)
+    blocked = 0
+    for report in reports:
+        for span in report["spans"]:
+            if span["kind"] == "recv" and span["end_s"] > span["start_s"]:
+                span["queued_s"], blocked = wake, blocked + 1
+    assert blocked and rt.wake_overhead(reports, 0) == pytest.approx(wake)
+    found = rt.transfers(module, reports, 0)
+    samples = rt.link_samples(found)
+    assert samples and all(s == pytest.approx(0.01) or s == pytest.approx(0.02) for _, s in samples)
+    steps = rt.step_durations(reports, 0)
+    assert rt.replayed_waiting(module, steps, link, 1.0, wake) == pytest.approx(list(sim.bubble_fraction), abs=1e-9)
+    unwoken = rt.replayed_waiting(module, steps, link)
+    assert all(u < w for u, w in zip(unwoken, sim.bubble_fraction, strict=True))
 
 
 def test_busy_receive_slowdown_fit_against_hand_arithmetic() -> None:

@@ -143,7 +143,8 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     hosted = dataclasses.replace(
         spec,
         node_kinds=tuple(
-            dataclasses.replace(k, instruction_overhead=1.5e-4, message_overhead=2.5e-4) for k in spec.node_kinds
+            dataclasses.replace(k, instruction_overhead=1.5e-4, message_overhead=2.5e-4, wake_overhead=4e-4)
+            for k in spec.node_kinds
         ),
     )
     assert load_cluster_toml(_write(tmp_path, cluster_to_toml(hosted))).node_kinds == hosted.node_kinds

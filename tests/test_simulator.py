@@ -529,6 +529,35 @@ def test_a_receive_posted_within_a_latency_of_its_send_holds_the_bytes_until_its
     assert [k for k in kinds if k[1] in (F, B)] == [(0, F), (1, F), (1, B), (0, B)]
 
 
+def test_a_rank_that_blocked_goes_on_a_wake_later_and_one_whose_data_was_there_at_once() -> None:
+    """`wake_overhead` w: a rank that blocked on a receive runs again w after the data landed (a CPU rank waiting
+    for a core); a receive whose data came first costs nothing.
+
+    The example above with w = 0.5: rank 1 blocks for h0 (lands 4.2), so F 4.7-5.7, B -7.7; the gradient leaves at
+    7.7 and lands at 9.9, rank 0 (blocked since its F) goes on at 10.4 and its B ends at 12.4 = 11.4 + 2w.
+    Two microbatches, rank 0's first free replayed at 30 s: h0 and h1 both land at 4.4 (they share rank 0's port);
+    rank 1 blocked for h0 (F0 4.9-5.9) but h1 is there (F1 5.9-6.9, no wake); B0 -8.9, B1 -10.9, g0 lands at 11.1
+    and rank 0, blocked since 2.0, runs B0 11.6-13.6; g1 (13.1) is there after the free (13.6-43.6): B1 43.6-45.6.
+    """
+    kind = DeviceKind("test", 1e12, {"f32": 1e12}, math.inf, wake_overhead=0.5)
+    cluster = ClusterSpec((kind,), 2, Link(100e6, 2.0), Link(10e6, 1.0), name="slow")
+    module = schedule_module("gpipe", 2, 1, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+    result = simulate(module, cluster=cluster)
+    computes = {(e.rank, e.instr.kind): (e.start_s, e.end_s) for e in result.events() if e.instr.kind in (F, B)}
+    assert computes[(1, F)] == pytest.approx((4.7, 5.7))
+    assert computes[(0, B)] == pytest.approx((10.4, 12.4))
+    assert result.iteration_s == pytest.approx(11.4 + 2 * 0.5)
+    module = schedule_module("gpipe", 2, 2, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+    free = next(i for i, ins in enumerate(module.programs[0].instrs) if ins.kind is InstrKind.FREE)
+    result = simulate(module, cluster=cluster, durations={(0, free): 30.0})
+    computes = {(e.rank, e.instr.kind, e.instr.mb): (e.start_s, e.end_s) for e in result.events()}
+    assert computes[(1, F, 0)] == pytest.approx((4.9, 5.9))
+    assert computes[(1, F, 1)] == pytest.approx((5.9, 6.9))
+    assert computes[(0, B, 0)] == pytest.approx((11.6, 13.6))
+    assert computes[(0, B, 1)] == pytest.approx((43.6, 45.6))
+    assert result.iteration_s == pytest.approx(45.6)
+
+
 def test_a_replayed_transfer_takes_its_measured_time_from_the_later_of_send_and_post(no_post_headroom: None) -> None:
     """A send in `durations` is a measured transfer: it lands that long after the later of its send and its
     receive's post, on no link and with no ready notice of its own (the measurement holds them).
@@ -622,6 +651,11 @@ def test_allreduce_waits_for_the_whole_group() -> None:
     times = [t for e in reduce_events for t in (e.start_s, e.end_s)]
     assert times == pytest.approx([6.0, 6.0 + ring, 3.0, 6.0 + ring])
     assert result.bubble_fraction[1] == pytest.approx(1 - 3.0 / (6.0 + ring))
+    # Every member blocks in the ring: with a wake of 0.25 s each goes on that much after it ends.
+    woken = dataclasses.replace(small_cluster().node_kinds[0], wake_overhead=0.25)
+    late = simulate(module, cluster=dataclasses.replace(cluster, node_kinds=(woken, woken)))
+    ends = [e.end_s for e in late.events() if e.instr.kind is InstrKind.ALLREDUCE]
+    assert ends == pytest.approx([6.0 + ring + 0.25] * 2)
 
 
 def test_send_does_not_block_the_sender() -> None:

@@ -68,6 +68,12 @@ class DeviceKind:
     transport, finishing a receive whose data is there (on a CPU, the transport's thread shares the rank's core).
     Charged to the rank's next compute instruction, which the runtime runs once the sends before it are handed
     over. Measured with `instruction_overhead`."""
+    wake_overhead: float = 0.0
+    """Seconds a rank that blocked (on a receive whose data had not come, or in an allreduce) takes to run again
+    once it may: on a CPU host whose ranks outnumber its cores, the woken rank waits in the run queue while the
+    others compute (Linux's run-queue delay, which the runtime reads around every instruction: `Span.queued_s`).
+    The simulator adds it to every such wait. 0 where each rank has a core or a GPU of its own; the runtime
+    benchmark fits it to each run (the mean run-queue delay of the receives that blocked)."""
 
     @property
     def prices_host(self) -> bool:

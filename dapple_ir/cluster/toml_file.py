@@ -22,6 +22,7 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     split_backward_per_byte = 0.0   # and per byte of those ops' parameters
     instruction_overhead = 0.0      # host seconds per compute instruction, outside its ops
     message_overhead = 0.0          # host seconds per send or receive, at each end
+    wake_overhead = 0.0             # seconds a blocked rank waits for a core once its data is there
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -82,6 +83,7 @@ _PRICE_KEYS = (
     "split_backward_per_byte",
     "instruction_overhead",
     "message_overhead",
+    "wake_overhead",
 )
 _KIND_KEYS = {
     "base",

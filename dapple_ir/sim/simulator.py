@@ -39,13 +39,15 @@ Instruction costs (b = microbatch size, see `memory.batch_scale`):
   `recv`: it lands when the link's time for it has gone by, counting each second the receiver computed
   as 1/s (`_landing`). Measured (replayed) transfers keep their time. s = 1, the default and every GPU
   preset's, leaves every transfer as above.
-- `recv` blocks the rank until the matching send's data has arrived.
+- `recv` blocks the rank until the matching send's data has arrived; where it blocked, the rank goes on the
+  device kind's `wake_overhead` later (a CPU rank waiting for a core once woken; 0 on every preset).
 - `allreduce` starts when every member of its group has reached it. It is a ring over the members
   in device order: each of the n steps sends 2(n-1)/n of the gradient bytes from one member to the
   next, all steps at once; it ends when the last step's bytes are through, plus 2(n-1) times the
   slowest hop's latency. The bytes are the stage's trainable parameter bytes, less parameters tied
   to other stages (those have their own `allreduce param`, costed at the parameter's bytes). It
-  blocks its members, as DAPPLE's planner assumes (the reduction is not hidden behind the drain).
+  blocks its members, as DAPPLE's planner assumes (the reduction is not hidden behind the drain); a member
+  goes on `wake_overhead` after the ring ends, as after a receive that blocked.
 - `optimizer_step` streams parameters, gradients and optimizer state through device memory once:
   (3 + 2 × state factor) × parameter bytes / memory bandwidth (SGD reads p, g and writes p; Adam
   also reads and writes its two moments).
@@ -394,6 +396,9 @@ class _Simulator:
         # Per rank and instruction, the host's own seconds (`host_s`); None where no device prices them.
         priced = any(kind.prices_host for kind in kinds)
         self.host = [host_s(p, kind) for p, kind in zip(module.programs, kinds, strict=True)] if priced else None
+        # Per rank, what going on after a wait that blocked costs it (`wake_overhead`); None where nothing does.
+        wakes = [kind.wake_overhead for kind in kinds]
+        self.wake = wakes if any(wakes) else None
         # Per receiving rank, how much slower a transfer into it moves while it computes; None where none is.
         slowdowns = [cluster.device(d).busy_receive_slowdown for d in self.devices]
         self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
@@ -515,7 +520,7 @@ class _Simulator:
             self.push(0.0, _RESUME, r)
         fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
         replayed = replay or None  # none: the hot loop skips the lookup
-        host = self.host
+        host, wake = self.host, self.wake
         sharing, owners = self.sharing, self.owners
         heappush, heappop = heapq.heappush, heapq.heappop
         # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
@@ -634,7 +639,7 @@ class _Simulator:
                     if slowdowns is not None and slowdowns[r] != 1.0 and key in began:
                         arrival = self.landing(r, i, began.pop(key), arrival, got)
                     if arrival > t:
-                        t = arrival
+                        t = arrival + (wake[r] if wake is not None else 0.0)
                         waited_on[(r, i)] = (got[1], got[2])
                     en[i] = t
                     i += 1
@@ -662,7 +667,9 @@ class _Simulator:
                     if (done[2], done[3]) != (r, i):
                         waited_on[(r, i)] = (done[2], done[3])
                     st[i], en[i] = t, done[1]
-                    t = done[1]
+                    if done[1] > t and wake is not None:
+                        en[i] += wake[r]  # the rank blocked in the ring: it waits for a core to go on
+                    t = en[i]
                     i += 1
                     continue
                 else:
