@@ -782,14 +782,12 @@ def simulated_waiting(
     plan_dir: Path, costs: list[RankCosts], links: list[tuple[Link, float, float]], cores: int = 0
 ) -> list[tuple[list[float], float]]:
     """Per (link, slowdown, wake), the simulator's idle per rank and its iteration for the plan with what was
-    measured:
-    each stage's compute its median span times its rank's `work_factor` (so a rank's simulated work per step is its
-    measured busy time), a zero-bubble stage's backward split between its input and weight passes as measured,
-    each rank's optimizer step its measured median, every transfer that link, slowed that much while its receiver
-    is busy (`busy_receive_slowdown`), a rank that blocked going on `wake` seconds after it may (`wake_overhead`);
-    with `cores`, the ranks share that many cores (`ClusterSpec.cores_per_node`:
-    then `costs` are best each on a core of its own, `rank_costs(..., solo=True)`). The costs are set up once for
-    all the pairs."""
+    measured: each stage's compute its median span times its rank's `work_factor` (so a rank's simulated work per
+    step is its measured busy time), a zero-bubble stage's backward split between its input and weight passes as
+    measured, each rank's optimizer step its measured median, every transfer that link, slowed that much while its
+    receiver is busy (`busy_receive_slowdown`), a rank that blocked going on `wake` seconds after it may
+    (`wake_overhead`); with `cores`, the ranks share that many cores (`ClusterSpec.cores_per_node`: then `costs` are
+    best each on a core of its own, `rank_costs(..., solo=True)`). The costs are set up once for all the pairs."""
     from dapple_ir.analysis.memory import batch_scale
     from dapple_ir.ir import InstrKind
     from dapple_ir.sim.simulator import simulate
