@@ -1301,8 +1301,8 @@ def main(argv: list[str] | None = None) -> int:
         "which the waits the model gives them add up to the measured ones; 1000 is the fit's ceiling (the "
         "transfer stops). 'no slowdown' is the median-cost simulation without it, as the bench predicted before; "
         "'calibrate's slowdown' the median-cost simulation with the figure `dapple calibrate` measured (note "
-        "above) in place of the fit, a prediction whose slowdown no run's transfers informed; the spread and the "
-        "replay use the fit too.",
+        "above) in place of the fit, a prediction whose slowdown no run's transfers informed (its wait for a core "
+        "is still the run's fit: calibrate does not measure that); the spread and the replay use the fit too.",
         "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
         "backward, optimizer step, load and free its own measured span plus the rank's work since its previous one "
         "(so work done before a receive is replayed before it, not after the wait), every "
