@@ -612,6 +612,11 @@ def _length(span: dict[str, Any], solo: bool) -> float:
     return span["end_s"] - span["start_s"] - (_queued(span) if solo else 0.0)
 
 
+def _blocked(span: dict[str, Any], floor: float) -> bool:
+    """Whether a receive (or allreduce) waited for its data: its span is over twice its rank's floor."""
+    return bool(span["end_s"] - span["start_s"] > 2 * floor)
+
+
 def _receive_floor(report: dict[str, Any]) -> float:
     """What a receive (or allreduce) costs the rank when its data is already there: its 10th-percentile span
     (`host_time.receive_floor`, the figure `dapple calibrate` reads the runtime's host time with)."""
@@ -700,7 +705,7 @@ def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[T
                 if recv["end_s"] < begin:
                     continue
                 idle = recv["start_s"] <= issue  # and so posted <= issue = begin
-                landed = idle or recv["end_s"] - recv["start_s"] > 2 * floors[sp["peer"]]
+                landed = idle or _blocked(recv, floors[sp["peer"]])
                 seconds = recv["end_s"] - begin if landed else max(0.0, recv["start_s"] - begin)
                 nbytes = transfer_bytes(module, instr.value, instr.rows)
                 before = max(0.0, recv["start_s"] - begin)
@@ -770,11 +775,7 @@ def wake_overhead(reports: list[dict[str, Any]], warmup: int) -> float:
     for r in reports:
         floor = _receive_floor(r)
         for k in _steps(reports, warmup):
-            delays += [
-                _queued(sp)
-                for sp in _step_spans(r, k)
-                if sp["kind"] in WAITS and sp["end_s"] - sp["start_s"] > 2 * floor
-            ]
+            delays += [_queued(sp) for sp in _step_spans(r, k) if sp["kind"] in WAITS and _blocked(sp, floor)]
     return sum(delays) / len(delays) if delays else 0.0
 
 

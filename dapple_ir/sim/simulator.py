@@ -400,7 +400,7 @@ class _Simulator:
         wakes = [kind.wake_overhead for kind in kinds]
         self.wake = wakes if any(wakes) else None
         # Per receiving rank, how much slower a transfer into it moves while it computes; None where none is.
-        slowdowns = [cluster.device(d).busy_receive_slowdown for d in self.devices]
+        slowdowns = [kind.busy_receive_slowdown for kind in kinds]
         self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
         self.core_paths, self.core_capacity = _core_paths(cluster, self.devices)
         self.sizes = Sizes(module)
