@@ -61,7 +61,9 @@ sys.path.insert(0, str(BENCH))
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 from dapple_ir.backends.torch.cores import pin_rank, set_cores  # noqa: E402
+from dapple_ir.backends.torch.host_time import blocked, wake_delays  # noqa: E402
 from dapple_ir.cluster.spec import MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link  # noqa: E402
+from dapple_ir.commands.calibrate import fit_wake  # noqa: E402
 from dapple_ir.ir.parser import parse_module  # noqa: E402
 
 SPEC = {
@@ -612,11 +614,6 @@ def _length(span: dict[str, Any], solo: bool) -> float:
     return span["end_s"] - span["start_s"] - (_queued(span) if solo else 0.0)
 
 
-def _blocked(span: dict[str, Any], floor: float) -> bool:
-    """Whether a receive (or allreduce) waited for its data: its span is over twice its rank's floor."""
-    return bool(span["end_s"] - span["start_s"] > 2 * floor)
-
-
 def _receive_floor(report: dict[str, Any]) -> float:
     """What a receive (or allreduce) costs the rank when its data is already there: its 10th-percentile span
     (`host_time.receive_floor`, the figure `dapple calibrate` reads the runtime's host time with)."""
@@ -705,7 +702,7 @@ def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[T
                 if recv["end_s"] < begin:
                     continue
                 idle = recv["start_s"] <= issue  # and so posted <= issue = begin
-                landed = idle or _blocked(recv, floors[sp["peer"]])
+                landed = idle or blocked(recv, floors[sp["peer"]])
                 seconds = recv["end_s"] - begin if landed else max(0.0, recv["start_s"] - begin)
                 nbytes = transfer_bytes(module, instr.value, instr.rows)
                 before = max(0.0, recv["start_s"] - begin)
@@ -768,15 +765,9 @@ def link_samples(found: list[Transfer]) -> list[tuple[float, float]]:
 
 
 def wake_overhead(reports: list[dict[str, Any]], warmup: int) -> float:
-    """`DeviceKind.wake_overhead` as the run measured it: the mean run-queue delay (`Span.queued_s`) of the waits
-    that blocked (a receive or allreduce span over twice its rank's floor), over every rank. The mean, since the
-    delays add up over a step: most receives find a core at once, a few wait a scheduler slice for one."""
-    delays = []
-    for r in reports:
-        floor = _receive_floor(r)
-        for k in _steps(reports, warmup):
-            delays += [_queued(sp) for sp in _step_spans(r, k) if sp["kind"] in WAITS and _blocked(sp, floor)]
-    return sum(delays) / len(delays) if delays else 0.0
+    """`DeviceKind.wake_overhead` as the run measured it, fitted as `dapple calibrate` fits it: the mean run-queue
+    delay of the waits that blocked (`host_time.wake_delays`, `calibrate.fit_wake`) over every rank."""
+    return fit_wake([d for r in reports for d in wake_delays(r, warmup)])
 
 
 def simulated_waiting(
@@ -910,10 +901,11 @@ def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int 
 
 
 def run_case(
-    cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False, calibrated: float = 1.0
+    cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False, calibrated: tuple[float, float] = (1, 0)
 ) -> dict[str, Any]:
     """Pairs of runs, ours then torch's (then, with `ablate`, ours without each of `ABLATIONS`' changes), and the
-    figures; `calibrated` is `dapple calibrate`'s busy receiver's slowdown."""
+    figures; `calibrated` is what `dapple calibrate` measures for the case's ranks: (busy receiver's slowdown, a
+    woken rank's wait for a core)."""
     plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
     cuts = compile_plan(cfg, plan_dir)
     sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
@@ -1007,7 +999,29 @@ class Waiting:
     """The median over the runs of the fitted `wake_overhead`."""
 
 
-def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int, calibrated: float = 1.0) -> Waiting:
+def calibrated_figures(device: str, procs: list[int]) -> tuple[float, dict[int, float]]:
+    """What `dapple calibrate` measures on this machine before the cases, for a prediction no run informed: the
+    busy receiver's slowdown (`measure_cpu_link`: 1 on a GPU) and, per rank count, a woken rank's wait for a core
+    (`calibrate.measure_host_time`'s third figure; 0 where its run fails, or on a GPU)."""
+    from dapple_ir.commands.calibrate import measure_host_time
+    from dapple_ir.errors import RuntimeFailure
+    from dapple_ir.frontend.measure import measure_cpu_link
+
+    if device != "cpu":
+        return 1.0, dict.fromkeys(procs, 0.0)
+    wakes = {}
+    for p in procs:
+        try:
+            wakes[p] = measure_host_time(device, p)[2]
+        except RuntimeFailure as exc:
+            print(f"calibrate's wake for {p} ranks not measured: {str(exc).splitlines()[0]}", file=sys.stderr)
+            wakes[p] = 0.0
+    return measure_cpu_link()[1], wakes
+
+
+def idle_vs_bubble(
+    plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int, calibrated: tuple[float, float] = (1.0, 0.0)
+) -> Waiting:
     module = parse_module((plan_dir / "plan.dapple").read_text(), str(plan_dir / "plan.dapple"))
     measured, simulated, replayed, spread, iterations, cpu, plain, reconstructed = [], [], [], [], [], [], [], []
     slowdowns, with_calibrated, peer, shared, shared_iterations = [], [], [], [], []
@@ -1026,7 +1040,7 @@ def idle_vs_bubble(plan_dir: Path, runs: list[list[dict[str, Any]]], warmup: int
         (bubble, iteration), (unslowed, _), (calibrated_bubble, _), (unwoken, _) = simulated_waiting(
             plan_dir,
             costs,
-            [(link, slowdown, wake), (link, 1.0, wake), (link, calibrated, wake), (link, slowdown, 0.0)],
+            [(link, slowdown, wake), (link, 1.0, wake), (link, *calibrated), (link, slowdown, 0.0)],
         )
         without_wake.append(unwoken)
         wakes.append(wake)
@@ -1117,9 +1131,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.time()
-    from dapple_ir.frontend.measure import measure_cpu_link
-
-    calibrated = measure_cpu_link()[1] if args.device == "cpu" else 1.0
     if args.quick:
         cases = [
             Config("tiny", 2, "1f1b", 4, 32, steps=3, warmup=1),
@@ -1139,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         pairs = args.pairs
         ablated = ABLATED
+    slowdown, wakes = calibrated_figures(args.device, sorted({cfg.procs for cfg in cases}))
     table = Table(
         "Our runtime vs torch.distributed.pipelining "
         + ("(CUDA, NCCL, one GPU per rank)" if args.device == "cuda" else "(CPU, gloo, 1 thread per rank)"),
@@ -1148,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
          "busy receiver's slowdown (fitted)", "woken rank's wait for a core (fitted, us)",
          "simulated waiting % per rank, no wait for a core", "worst gap vs no wait for a core (%)",
          "simulated waiting % per rank, no slowdown",
-         "worst gap vs no slowdown (%)", "worst gap vs calibrate's slowdown (%)",
+         "worst gap vs no slowdown (%)", "worst gap vs calibrate's slowdown and wake (%)",
          "simulated with spread waiting % per rank", "worst gap vs spread (points)",
          "worst gap vs spread (% of spread)", "replayed waiting % per rank",
          "worst gap vs replay (points)", "worst gap vs replay (% of replayed)",
@@ -1183,7 +1195,9 @@ def main(argv: list[str] | None = None) -> int:
         for k, cfg in enumerate(cases):
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
-                r = run_case(cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=calibrated)
+                r = run_case(
+                    cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=(slowdown, wakes[cfg.procs])
+                )
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
                 table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 35)
@@ -1200,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("median-cost", sim_rel),
                 ("median-cost without the woken ranks' wait for a core", unwoken_rel),
                 ("median-cost without the busy receivers' slowdown", plain_rel),
-                ("median-cost with calibrate's slowdown", calibrated_rel),
+                ("median-cost with calibrate's slowdown and wake", calibrated_rel),
                 ("spread", spread_rel),
                 ("replay", replay_rel),
                 ("replay with measured transfers", rebuilt_rel),
@@ -1240,7 +1254,7 @@ def main(argv: list[str] | None = None) -> int:
         report.headlines.append(f"median speed-up {median(ratios):.2f}x, lowest {min(ratios):.2f}x")
         report.headlines.append(
             f"busy receiver's slowdown: fitted {min(fitted):.3g}-{max(fitted):.3g}x over the rows, "
-            f"`dapple calibrate`'s measurement {calibrated:.3g}x"
+            f"`dapple calibrate`'s measurement {slowdown:.3g}x"
         )
         report.headlines.append(
             "every rank's waiting within 15 % of the prediction: "
@@ -1248,9 +1262,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     table.notes += [
-        f"`dapple calibrate`'s own measurement of the busy receiver's slowdown on this machine, taken before the "
-        f"cases (a 256 KiB gloo transfer into a rank that waits, and into one that computes for 20 ms first): "
-        f"{calibrated:.3g}x.",
+        f"`dapple calibrate`'s own measurements on this machine, taken before the cases: the busy receiver's "
+        f"slowdown (a 256 KiB gloo transfer into a rank that waits, and into one that computes for 20 ms first) "
+        f"{slowdown:.3g}x; a woken rank's wait for a core (`measure_host_time`'s run of a small MLP on that many "
+        f"ranks, 1F1B) " + ", ".join(f"{wake * 1e6:.0f} us with {p} ranks" for p, wake in sorted(wakes.items())) + ".",
         "models: bench/bench_models.py: MLP width 512, 8 Linear layers (2.1M parameters), global batch 256; "
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
         f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), 30 steps per run on the MLP "
@@ -1301,9 +1316,9 @@ def main(argv: list[str] | None = None) -> int:
         "(`busy_receive_slowdown`) to the transfers that began while their receiver was busy: the slowdown at "
         "which the waits the model gives them add up to the measured ones; 1000 is the fit's ceiling (the "
         "transfer stops). 'no slowdown' is the median-cost simulation without it, as the bench predicted before; "
-        "'calibrate's slowdown' the median-cost simulation with the figure `dapple calibrate` measured (note "
-        "above) in place of the fit, a prediction whose slowdown no run's transfers informed (its wait for a core "
-        "is still the run's fit: calibrate does not measure that); the spread and the replay use the fit too.",
+        "'calibrate's slowdown and wake' the median-cost simulation with the figures `dapple calibrate` measured "
+        "(note above) in place of the fits, a prediction whose slowdown and wake no run of the case informed; the "
+        "spread and the replay use the fits too.",
         "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
         "backward, optimizer step, load and free its own measured span plus the rank's work since its previous one "
         "(so work done before a receive is replayed before it, not after the wait), every "

@@ -80,6 +80,9 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 0.0 < cpu.instruction_overhead + cpu.message_overhead < 0.1
     assert cpu.instruction_overhead >= 0.0 and cpu.message_overhead >= 0.0
     assert (cpu.instruction_overhead != 0.0) == ("instruction_overhead" in out.read_text())
+    # And from the same run, a woken rank's wait for a core: none below 0, under a second, in the file where not 0.
+    assert 0.0 <= cpu.wake_overhead < 1.0
+    assert (cpu.wake_overhead != 0.0) == ("wake_overhead" in out.read_text())
     # Two ranks share this machine's cores only where it has fewer than two.
     import os
 
@@ -147,7 +150,7 @@ def test_neighbours_run_the_same_work_and_stop(
 
     # The runtime's host time is a run of its own (test_calibrate_writes_a_usable_cluster runs it); here it fails,
     # and calibrate keeps the preset's figures with a note.
-    def fails(device: str, ranks: int) -> tuple[float, float]:
+    def fails(device: str, ranks: int) -> tuple[float, float, float]:
         raise RuntimeFailure("rank 1 could not start")
 
     monkeypatch.setattr(calibrate, "measure_host_time", fails)
@@ -170,6 +173,19 @@ def test_neighbours_run_the_same_work_and_stop(
     assert f"host {PRESETS['cpu'].instruction_overhead * 1e6:.0f} us per instruction" in err
 
 
+def test_the_runtimes_host_figures_reach_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `measure_host_time` measured on the runtime (test_calibrate_writes_a_usable_cluster runs it for real) is
+    what the cluster file carries, the woken rank's wait for a core with the host's time per instruction and
+    message; and the summary line names it."""
+    from dapple_ir.commands import calibrate
+
+    monkeypatch.setattr(calibrate, "measure_host_time", lambda device, ranks: (1e-4, 2e-5, 3e-4))
+    out = tmp_path / "cluster.toml"
+    assert main(["calibrate", "--devices", "2", "-o", str(out)]) == 0
+    cpu = resolve_cluster(str(out)).device(0)
+    assert (cpu.instruction_overhead, cpu.message_overhead, cpu.wake_overhead) == pytest.approx((1e-4, 2e-5, 3e-4))
+
+
 def test_a_cpu_rank_gets_its_share_of_the_rate_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """With several CPU ranks, a rank's matmul rate is the rate alone times the median alone/shared ratio of
     back-to-back rounds (`_shared_rate`), not a shared figure taken at another moment. Wired through: with the
@@ -177,7 +193,7 @@ def test_a_cpu_rank_gets_its_share_of_the_rate_alone(monkeypatch: pytest.MonkeyP
     busy, compares like with like: near 1 (any CPU, any load: within 0.5-2)."""
     from dapple_ir.frontend import measure
 
-    assert 0.5 < measure._shared_rate(torch.device("cpu"), "cpu", neighbours=0, rounds=3) < 2.0
+    assert 0.5 < measure._shared_rate(torch.device("cpu"), "cpu", neighbours=0, rounds=7) < 2.0
     monkeypatch.setattr(measure, "_shared_rate", lambda device, kind_name, neighbours: 0.5)
     monkeypatch.setattr(measure, "measure_cpu_link", lambda: (DEFAULT_LINKS["cpu"][0], 1.0))
     node = measure.measure_node("cpu", 2)

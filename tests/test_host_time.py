@@ -8,12 +8,15 @@ from typing import Any
 
 import pytest
 
-from dapple_ir.backends.torch.host_time import host_samples
-from dapple_ir.commands.calibrate import fit_host_time
+from dapple_ir.backends.torch.host_time import host_samples, wake_delays
+from dapple_ir.commands.calibrate import fit_host_time, fit_wake
 
 
-def _span(kind: str, start: float, end: float) -> dict[str, Any]:
-    return {"kind": kind, "start_s": start, "end_s": end}
+def _span(kind: str, start: float, end: float, queued: float | None = None) -> dict[str, Any]:
+    span: dict[str, Any] = {"kind": kind, "start_s": start, "end_s": end}
+    if queued is not None:
+        span["queued_s"] = queued
+    return span
 
 
 def test_host_samples_count_the_gaps_and_the_messages_before_each_computation() -> None:
@@ -61,3 +64,24 @@ def test_the_fit_is_the_least_squares_line_through_the_means() -> None:
     # A negative intercept: a price per message only, their seconds over their messages.
     assert fit_host_time([(0, 0.0), (1, b), (2, 3 * b), (2, 3 * b)]) == pytest.approx((0.0, 7 * b / 5))
     assert fit_host_time([]) == (0.0, 0.0)
+
+
+def test_the_wake_is_the_run_queue_delay_of_the_waits_that_blocked() -> None:
+    """By hand. Receive and allreduce spans of 0.1 (data there: the 10th percentile, so the floor) and longer; a wait
+    blocked where its span is over twice the floor, 0.2. Step 1 (step 0 is warm-up): recv 0.1 queued 0.05 (did not
+    block: its queueing is the host's, not a wake), recv 1.0 queued 0.3, allreduce 0.5 queued 0.1, recv 0.25 with no
+    `queued_s` (a runtime that could not read it: 0), a forward queued 0.4 (not a wait). Delays 0.3, 0.1, 0: the
+    wake is their mean, 4/30; the median (0.1) would drop the slice that the slow wake waited."""
+    step0 = [_span("recv", 0.0, 9.0, queued=5.0)] + [_span("recv", 0.0, 0.1, queued=0.0) for _ in range(9)]
+    step1 = [
+        _span("recv", 10.0, 10.1, queued=0.05),
+        _span("recv", 10.1, 11.1, queued=0.3),
+        _span("forward", 11.1, 12.1, queued=0.4),
+        _span("allreduce", 12.1, 12.6, queued=0.1),
+        _span("recv", 12.6, 12.85),
+    ]
+    report = {"spans": step0 + step1, "step_times": {"0": [0.0, 9.5], "1": [10.0, 13.0]}}
+    assert wake_delays(report, warmup=1) == pytest.approx([0.3, 0.1, 0.0])
+    assert fit_wake(wake_delays(report, warmup=1)) == pytest.approx(0.4 / 3)
+    assert wake_delays(report, warmup=0)[0] == pytest.approx(5.0)  # step 0's long wait too
+    assert fit_wake([]) == 0.0

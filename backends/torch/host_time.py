@@ -7,7 +7,9 @@ the transport's socket thread shares the rank's core). `calibrate.measure_host_t
 `dapple run` on the ranks a device has, reads the instruction spans every rank recorded, and fits
 `DeviceKind.instruction_overhead` and `message_overhead` (`commands/calibrate.fit_host_time`): what
 `dapple calibrate` writes and the simulator and the planner charge (`sim.simulator.host_s`,
-`cost_model.host_s`). Here: the model it trains and how a rank's report is read.
+`cost_model.host_s`). From the same run it fits `DeviceKind.wake_overhead`, what a rank that blocked on a peer
+waits for a core once the peer's data is there (`wake_delays`, `commands/calibrate.fit_wake`). Here: the model it
+trains and how a rank's report is read.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def host_samples(report: dict[str, Any], warmup: int) -> list[tuple[int, float]]
             host += min(length, floor) if sp["kind"] in WAITS else length
             messages += sp["kind"] in MESSAGES
     return samples
+
+
+def wake_delays(report: dict[str, Any], warmup: int) -> list[float]:
+    """Per receive or allreduce of a rank's steps after `warmup` that blocked (`blocked`): the time the rank was
+    runnable but had no core in it (`Span.queued_s`, Linux's run-queue delay; absent where the runtime cannot read
+    it, then 0). A rank that waited for a peer sleeps; once the data comes it is woken and, where the ranks outnumber
+    the cores, waits in the run queue while the others compute: what `DeviceKind.wake_overhead` prices."""
+    floor = receive_floor(report)
+    delays = []
+    for step in sorted(int(k) for k in report["step_times"])[warmup:]:
+        start, end = report["step_times"][str(step)]
+        for sp in report["spans"]:
+            if sp["kind"] in WAITS and start <= sp["start_s"] and sp["end_s"] <= end and blocked(sp, floor):
+                delays.append(float(sp.get("queued_s") or 0.0))
+    return delays
+
+
+def blocked(span: dict[str, Any], floor: float) -> bool:
+    """Whether a receive (or allreduce) waited for its data: its span is over twice its rank's `receive_floor`."""
+    return bool(span["end_s"] - span["start_s"] > 2 * floor)
 
 
 def receive_floor(report: dict[str, Any]) -> float:

@@ -72,8 +72,9 @@ class DeviceKind:
     """Seconds a rank that blocked (on a receive whose data had not come, or in an allreduce) takes to run again
     once it may: on a CPU host whose ranks outnumber its cores, the woken rank waits in the run queue while the
     others compute (Linux's run-queue delay, which the runtime reads around every instruction: `Span.queued_s`).
-    The simulator adds it to every such wait. 0 where each rank has a core or a GPU of its own; the runtime
-    benchmark fits it to each run (the mean run-queue delay of the receives that blocked)."""
+    The simulator adds it to every such wait. `dapple calibrate` measures it with `instruction_overhead`, as the mean
+    run-queue delay of the receives that blocked (`calibrate.fit_wake`); the runtime benchmark fits it the same way
+    to each of its runs. About 0 where each rank has a core or a GPU of its own; 0 on the presets."""
 
     @property
     def prices_host(self) -> bool:

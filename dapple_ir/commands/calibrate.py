@@ -74,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
     # between ranks (cold caches, the switch itself), which it does not price: timed on as many ranks as cores, the
     # host figure predicted 4-rank plans of examples/llama.py and examples/gpt.py 10-33 % fast on the 2-core dev VM,
     # timed on all four -12..+2 % and -10..-27 % (docs/cluster.md).
+    # The same run gives the woken rank's wait for a core (`wake_overhead`): about nothing where each rank has a core.
     try:
-        instruction, message = measure_host_time(args.device, devices)
+        instruction, message, wake = measure_host_time(args.device, devices)
     except RuntimeFailure as exc:  # a machine whose ranks cannot run keeps the preset's figures
         preset = PRESETS.get(kind.name)  # `cpu`; a GPU's host runs ahead of its kernels: 0
-        instruction, message = (preset.instruction_overhead, preset.message_overhead) if preset else (0.0, 0.0)
+        instruction, message, wake = (
+            (preset.instruction_overhead, preset.message_overhead, preset.wake_overhead) if preset else (0.0, 0.0, 0.0)
+        )
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"calibrate: the runtime's host time was not measured ({reason}); keeping the preset's", file=sys.stderr)
     kind, solo = (
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             split_backward_per_byte=per_byte,
             instruction_overhead=instruction,
             message_overhead=message,
+            wake_overhead=wake,
         )
         for k in (kind, solo)
     )
@@ -114,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"+ {kind.split_backward_per_byte * 1e12:.0f} us per MB of its weights, "
         f"the runtime's host {kind.instruction_overhead * 1e6:.0f} us per instruction "
         f"+ {kind.message_overhead * 1e6:.0f} us per message, "
+        f"a woken rank's wait for a core {kind.wake_overhead * 1e6:.0f} us, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
         f"efficiency: {fitted}{_sharing(cores, devices)} -> {args.output}",
@@ -126,12 +131,13 @@ def _sharing(cores: int, devices: int) -> str:
     return f"; the {devices} ranks share {cores} core(s)" if cores else ""
 
 
-def measure_host_time(device: str, ranks: int) -> tuple[float, float]:
-    """(`instruction_overhead`, `message_overhead`) on `device` with `ranks` ranks, measured on the runtime:
-    `host_time.TIMING_MLP` compiled to `ranks` 1F1B stages (one stage and no messages on one rank), trained for
-    `TIMING_STEPS` steps with `dapple run` (torchrun: one process per rank, gloo on a CPU), and the host time before
+def measure_host_time(device: str, ranks: int) -> tuple[float, float, float]:
+    """(`instruction_overhead`, `message_overhead`, `wake_overhead`) on `device` with `ranks` ranks, measured on the
+    runtime: `host_time.TIMING_MLP` compiled to `ranks` 1F1B stages (one stage and no messages on one rank), trained
+    for `TIMING_STEPS` steps with `dapple run` (torchrun: one process per rank, gloo on a CPU); the host time before
     each compute instruction of the steps after `TIMING_WARMUP` (`host_time.host_samples`) fitted
-    (`fit_host_time`). Raises `RuntimeFailure` where the ranks cannot run."""
+    (`fit_host_time`), and the run-queue delays of the receives that blocked (`host_time.wake_delays`) fitted
+    (`fit_wake`). Raises `RuntimeFailure` where the ranks cannot run."""
     import tempfile
 
     import dapple_ir
@@ -148,7 +154,9 @@ def measure_host_time(device: str, ranks: int) -> tuple[float, float]:
         run_dir = Path(tmp) / "run"
         dapple_ir.run(plan, steps=host_time.TIMING_STEPS, device=device, run_dir=run_dir, timeout=60.0)
         reports = [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank_*.json"))]
-    return fit_host_time([s for report in reports for s in host_time.host_samples(report, host_time.TIMING_WARMUP)])
+    warmup = host_time.TIMING_WARMUP
+    instruction, message = fit_host_time([s for report in reports for s in host_time.host_samples(report, warmup)])
+    return instruction, message, fit_wake([d for report in reports for d in host_time.wake_delays(report, warmup)])
 
 
 def fit_host_time(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -169,6 +177,14 @@ def fit_host_time(samples: list[tuple[int, float]]) -> tuple[float, float]:
         with_messages = [(k, h) for k, h in samples if k > 0]
         return 0.0, sum(h for _, h in with_messages) / sum(k for k, _ in with_messages)
     return fixed, per_message
+
+
+def fit_wake(delays: list[float]) -> float:
+    """`wake_overhead` from the run-queue delays of the waits that blocked (`host_time.wake_delays`): their mean. Not
+    the median: the delays add up over a step, and while most woken ranks find a core at once, a few wait a whole
+    scheduler slice (on the dev VM, 4 ranks on 2 cores: a median of 0.02 ms against a mean of 0.45 ms). 0 with none
+    (a single rank, or ranks that never waited)."""
+    return max(0.0, sum(delays) / len(delays)) if delays else 0.0
 
 
 def fit_split_price(points: list[tuple[float, float]]) -> tuple[float, float]:
