@@ -529,6 +529,8 @@ def split_points(plan_dir: Path) -> dict[str, str]:
 
 #: Span kinds that run a stage's computation.
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+#: Span kinds during which a rank's transport thread waits for its core: its computation and its optimizer step.
+HOLDING = (*COMPUTE, "optimizer_step")
 #: Span kinds in which a rank may wait for other ranks (on top of what the call itself costs it).
 WAITS = ("recv", "allreduce")
 #: Span kinds a replayed step times (`step_durations`): the rank's own work, each where it ran. A load before a
@@ -638,7 +640,9 @@ def cpu_shares(reports: list[dict[str, Any]], warmup: int, costs: list[RankCosts
 class Transfer:
     """One measured transfer: from the later of the send's issue (the sender's next non-send instruction, which
     hands queued sends to the transport) and its receive's post (the instruction `peak_memory.recv_posts` posts it
-    before) to the receive's end, when the receiver waited for it; else to the receive's start, which it beat."""
+    before) to the receive's end, when the receiver waited for it; else to the receive's start, which it beat. A
+    receive posted after its send was issued is answered by the sender's transport thread once the compute span
+    the sender runs at the post is done (`simulator._Simulator.answered_s`): the transfer starts there."""
 
     nbytes: float
     seconds: float
@@ -699,6 +703,15 @@ def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[T
                     continue
                 recv, posted = got
                 begin = max(issue, posted)
+                if posted > issue:  # the sender's transport answers once its rank's computation lets it
+                    begin = next(
+                        (
+                            later["end_s"]
+                            for later in step[i + 1 :]
+                            if later["kind"] in HOLDING and later["start_s"] <= posted < later["end_s"]
+                        ),
+                        begin,
+                    )
                 if recv["end_s"] < begin:
                     continue
                 idle = recv["start_s"] <= issue  # and so posted <= issue = begin
@@ -811,7 +824,7 @@ def simulated_waiting(
     found = []
     for link, slowdown, wake in links:
         cluster = _measured_cluster(len(costs), link, slowdown, cores, wake)
-        result = simulate(module, cluster=cluster, backward_input_fraction=fractions, durations=steps)
+        result = simulate(module, cluster=cluster, backward_input_fraction=fractions, durations=steps, steady=True)
         found.append((list(result.bubble_fraction), result.iteration_s))
     return found
 
@@ -863,7 +876,7 @@ def replayed_waiting(
     from dapple_ir.sim.simulator import simulate_each
 
     cluster = _measured_cluster(len(module.programs), link, slowdown, wake=wake)
-    results = list(simulate_each(module, steps, cluster=cluster))
+    results = list(simulate_each(module, steps, cluster=cluster, steady=True))
     iteration = median([result.iteration_s for result in results])
     busy = [median([result.busy_s[r] for result in results]) for r in range(len(module.programs))]
     return [max(0.0, 1.0 - b / iteration) if iteration > 0 else 0.0 for b in busy]
@@ -886,7 +899,7 @@ def spread_waiting(
         for key, seconds in durations.items():
             samples.setdefault(key, []).append(seconds)
     cluster = _measured_cluster(len(module.programs), link, slowdown, wake=wake)
-    return simulate_spread(module, samples=samples, cluster=cluster, draws=SPREAD_DRAWS).bubble_fraction
+    return simulate_spread(module, samples=samples, cluster=cluster, draws=SPREAD_DRAWS, steady=True).bubble_fraction
 
 
 def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int = 0, wake: float = 0.0) -> ClusterSpec:
@@ -1297,8 +1310,15 @@ def main(argv: list[str] | None = None) -> int:
         "less the time the woken receiver then waited for a core; least squares, so the mean cost at each size, a "
         "rank's waiting being a sum over transfers), slowed by the "
         "run's fitted busy receiver's slowdown while its receiver computes (below), each "
-        "transfer moving once its receive is posted (the simulator's rendezvous, as gloo and NCCL do it), and a "
-        "rank that blocked going on the run's fitted wait for a core later (below). "
+        "transfer moving once its receive is posted (the simulator's rendezvous, as gloo and NCCL do it; a send "
+        "issued before its post leaves once the sender's transport thread answers the post's notice, after the "
+        "computation, load or free its rank runs then: `_Simulator.answered_s`), and a "
+        "rank that blocked going on the run's fitted wait for a core later (below). Every simulation here is of the "
+        "steady state (`simulate(steady=True)`): steps back to back, each rank starting its next step where it "
+        "ended this one, as the runtime does (no barrier between steps), so that a rank that ends early starts "
+        "early; the period, from one step's end to the next on the last rank, is what the measurement's period "
+        "is. (The first step, every rank starting at once, is 0-5 % longer on these rows: the MLP's zb-h1 on 2 "
+        "ranks ends its last stage about 2 ms after the first.) "
         "Both then share each rank's busy time, so the gap is busy x (1/measured period - 1/simulated step): "
         "'simulated / measured step' says how much of it is the step time. What the simulator cannot see is "
         "variance: on 2 cores, the ranks and gloo's socket threads time-share (4 processes on 2 cores: half the "
@@ -1310,16 +1330,19 @@ def main(argv: list[str] | None = None) -> int:
         "the costs' spread: what a median-cost simulation misses on a noisy host, without the replay's knowledge of "
         "which costs came together in one step.",
         "busy receiver's slowdown: how many times slower a transfer moves while its receiver computes than while "
-        "it waits (`DeviceKind.busy_receive_slowdown`; the simulator slows it during the receiver's compute "
-        "instructions only). On this host every core computes while the ranks do, and gloo's socket threads wait "
-        "for one: a transfer into a computing rank hardly moves until the rank reaches its receive. Fitted per run "
-        "(`busy_receive_slowdown`) to the transfers that began while their receiver was busy: the slowdown at "
+        "it waits (`DeviceKind.busy_receive_slowdown`; the simulator slows it during the receiver's own work: "
+        "compute instructions, the optimizer step, loads and frees that take time). On this host every core "
+        "computes while the ranks do, and gloo's socket threads wait for one: a transfer into a computing rank "
+        "hardly moves until the rank reaches its receive. Fitted per run "
+        "(`busy_receive_slowdown`) to the transfers that began while their receiver was busy (outside its receives "
+        "and allreduces): the slowdown at "
         "which the waits the model gives them add up to the measured ones; 1000 is the fit's ceiling (the "
         "transfer stops). 'no slowdown' is the median-cost simulation without it, as the bench predicted before; "
         "'calibrate's slowdown and wake' the median-cost simulation with the figures `dapple calibrate` measured "
         "(note above) in place of the fits, a prediction whose slowdown and wake no run of the case informed; the "
         "spread and the replay use the fits too.",
-        "replayed: the simulator replaying each measured step (`simulate(..., durations=)`): every forward, "
+        "replayed: the simulator replaying the measured steps back to back, in the order they ran "
+        "(`simulate_each(..., steady=True)`): every forward, "
         "backward, optimizer step, load and free its own measured span plus the rank's work since its previous one "
         "(so work done before a receive is replayed before it, not after the wait), every "
         "transfer the fitted link; median over the steps. Its waiting is what the plan's dependencies make of the "

@@ -398,6 +398,34 @@ def test_runtime_bench_reads_every_transfer_off_a_timeline(tmp_path: Path) -> No
     assert rt.replayed_waiting(module, rt.step_durations(reports, 0), free) != pytest.approx(list(sim.bubble_fraction))
 
 
+def test_runtime_bench_starts_a_held_transfer_when_its_sender_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeline the simulator made where transfers into a busy rank slow down (slowdown 4) and the ranks post at
+    their receives: rank 1 computes twice as fast, so it sends gradients before rank 0 has posted their receives,
+    and its transport answers those once the computation it runs when the notice comes is done
+    (`_Simulator.answered_s`). Read from there, every transfer whose receiver blocked took one link time (10 ms) on
+    its own; read from the post, as the bench did before, some took 100 ms."""
+    import runtime_vs_torch_pipelining as rt
+
+    from dapple_ir.analysis import peak_memory
+    from dapple_ir.cluster.spec import Link
+    from dapple_ir.sim.simulator import simulate
+
+    monkeypatch.setattr(peak_memory, "post_headroom", lambda program, sizes: 0.0)
+    module, durations = _modelled_plan(tmp_path, "gpipe")
+    durations = {(r, i): s / 2 if r == 1 else s for (r, i), s in durations.items()}
+    sim = simulate(module, cluster=rt._measured_cluster(2, Link(math.inf, 0.01), 4.0), durations=durations)
+    reports = _as_measured(module, sim, 1)
+
+    def blocked_alone() -> list[float]:
+        return [t.seconds for t in rt.transfers(module, reports, 0) if t.landed and not t.busy_s]
+
+    assert blocked_alone() and all(s == pytest.approx(0.01) for s in blocked_alone())
+    monkeypatch.setattr(rt, "HOLDING", ())
+    assert any(s == pytest.approx(0.1) for s in blocked_alone())
+
+
 def test_runtime_bench_reads_the_woken_ranks_wait_for_a_core_off_a_timeline(tmp_path: Path) -> None:
     """A timeline the simulator made with a 10 ms link and a 4 ms wake (`wake_overhead`), handed to the bench as if
     measured, each receive that blocked runnable for its last 4 ms (`queued_s`, as the run-queue counters read a

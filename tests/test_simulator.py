@@ -622,6 +622,94 @@ def test_a_transfer_into_a_busy_receiver_moves_slower_while_it_computes(no_post_
     assert slowed.busy_s == plain.busy_s  # only waiting grows
 
 
+def test_a_send_issued_before_its_post_leaves_once_the_senders_own_work_is_done(no_post_headroom: None) -> None:
+    """Where a busy rank's transfers slow down (`busy_receive_slowdown` above 1: the transport's thread shares the
+    rank's core), a send whose receive was not posted yet is answered by the sender's transport thread only once
+    the instruction of its own the sender runs when the ready notice comes is done.
+
+    gpipe, 2 stages, 2 microbatches, F = 1 s, B = 2 s, a 0.1 s latency, 20e6 B per transfer at 100 MB/s (0.3 s);
+    each rank's optimizer step streams 3 * 4000 B at 12 kB/s (1 s). At slowdown 4: rank 1 runs B1 5.525-7.525,
+    sends g1 at 7.525 and starts its optimizer step (7.525-8.525); rank 0 posts g1 at its receive after B0, at
+    7.825, and the notice reaches rank 1 at 7.925, in its step: the bytes leave at 8.525 and land at 8.825 (8.225
+    without the wait); rank 0's B1 8.825-10.825, step -11.825. At slowdown 1 the transport needs no core of the
+    rank's: g1 (posted at 7.6, notice at 7.7) lands at 8.0 during rank 1's step, and the iteration is 11.0."""
+
+    def run(slowdown: float) -> SimulationResult:
+        module = schedule_module(
+            "gpipe", 2, 2, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4, param_elems=1000
+        )
+        kind = DeviceKind("test", 1e12, {"f32": 1e12}, 12_000.0, busy_receive_slowdown=slowdown)
+        return simulate(module, cluster=ClusterSpec((kind,), 2, Link(100e6, 0.1), Link(10e6, 1.0), name="cpu"))
+
+    def g1(result: SimulationResult) -> tuple[float, float]:
+        return next(
+            (e.start_s, e.end_s)
+            for e in result.events()
+            if e.instr.kind is InstrKind.SEND and e.instr.grad and e.instr.mb == 1
+        )
+
+    held, plain = run(4.0), run(1.0)
+    assert g1(held) == pytest.approx((7.525, 8.825))
+    assert held.iteration_s == pytest.approx(11.825)
+    assert g1(plain) == pytest.approx((7.3, 8.0))
+    assert plain.iteration_s == pytest.approx(11.0)
+
+
+def test_a_replayed_free_slows_a_transfer_into_its_rank_as_a_computation_does() -> None:
+    """A load or free that takes time (a replayed step's) is the rank's own work too: a transfer into the rank moves
+    `busy_receive_slowdown` times slower during it.
+
+    gpipe, 2 stages, 2 microbatches, F = 1 s, B = 2 s, 0.3 s per transfer, slowdown 4, receives posted early: rank 0
+    posts g1 before B0 (5.825-7.825); rank 1 sends it at 7.525. 0.3 s of B0 moves 0.075 s of it; rank 0's first free
+    after B0, replayed at 1 s (7.825-8.825), moves the other 0.225 s in 0.9 s: g1 lands at 8.725 (at 8.05 were the
+    free not busy). Rank 0 reaches its receive at 8.825 either way: the iteration is 10.825."""
+    module = schedule_module("gpipe", 2, 2, fwd_s=2.0, bwd_s=4.0, out_bytes=40e6, microbatch_size=4)
+    kind = DeviceKind("test", 1e12, {"f32": 1e12}, math.inf, busy_receive_slowdown=4.0)
+    cluster = ClusterSpec((kind,), 2, Link(100e6, 0.1), Link(10e6, 1.0), name="cpu")
+    free = next(i for i, ins in enumerate(module.programs[0].instrs) if ins.kind is InstrKind.FREE)
+    result = simulate(module, cluster=cluster, durations={(0, free): 1.0})
+    g1 = next(e for e in result.events() if e.instr.kind is InstrKind.SEND and e.instr.grad and e.instr.mb == 1)
+    assert (g1.start_s, g1.end_s) == pytest.approx((7.525, 8.725))
+    assert (result.starts[0][free], result.ends[0][free]) == pytest.approx((7.825, 8.825))
+    assert result.iteration_s == pytest.approx(10.825)
+
+
+def test_the_steady_state_starts_each_rank_where_it_ended_the_step_before() -> None:
+    """`steady=True`: steps back to back, as a run takes them. zb-h1, 2 stages, 1 microbatch, ideal links, F = 1 s,
+    the backward split in halves (rank 0's stage hands no gradient back: its backward is all weight pass, 2 s), rank
+    1's weight pass replayed at 5 s. The first step: rank 0 F 0-1, rank 1 F 1-2, BI 2-3, W 3-8, rank 0 W 3-5; it
+    ends at 8 (bubbles 1 - 3/8 and 1 - 7/8). The next: rank 0 starts at 5 (F 5-6), rank 1 at 8 (F 8-9, BI 9-10,
+    W 10-15), rank 0 W 10-12: ends 12 and 15, 7 s after the last rank's 8; the one after ends 19 and 22, 7 s
+    again: the steady state. Its period is 7 s (bubbles 1 - 3/7 and 0), its times from rank 0's F at 12 (so rank 1
+    F 3-4, W 5-10, rank 0 W 5-7). Steps that follow it (`simulate_each`) start where it ended: with the weight pass
+    at 1 s, rank 1 runs F 22-23, BI 23-24, W 24-25 and rank 0 W 24-26, 4 s after the last rank's 22."""
+    from dapple_ir.sim.simulator import simulate_each
+    from dapple_ir.sim.spread import simulate_spread
+
+    module = schedule_module("zb-h1", 2, 1, fwd_s=2.0, bwd_s=4.0, microbatch_size=4)
+    weight = next(i for i, ins in enumerate(module.programs[1].instrs) if ins.kind is W)
+    slow = {(1, weight): 5.0}
+    first = simulate(module, durations=slow)
+    assert first.iteration_s == pytest.approx(8.0)
+    assert first.bubble_fraction == pytest.approx([1 - 3 / 8, 1 - 7 / 8])
+    steady = simulate(module, durations=slow, steady=True)
+    assert steady.iteration_s == pytest.approx(7.0)
+    assert steady.busy_s == pytest.approx(first.busy_s)
+    assert steady.bubble_fraction == pytest.approx([1 - 3 / 7, 0.0])
+    computes = {(e.rank, e.instr.kind): (e.start_s, e.end_s) for e in steady.events() if e.instr.kind in (F, BI, W)}
+    assert computes[(0, F)] == pytest.approx((0.0, 1.0))
+    assert computes[(1, F)] == pytest.approx((3.0, 4.0))
+    assert computes[(1, W)] == pytest.approx((5.0, 10.0))
+    assert computes[(0, W)] == pytest.approx((5.0, 7.0))
+    settled, after = simulate_each(module, [slow, {(1, weight): 1.0}], steady=True)
+    assert settled.iteration_s == pytest.approx(7.0)
+    assert after.iteration_s == pytest.approx(4.0)
+    assert after.bubble_fraction == pytest.approx([1 - 3 / 4, 1 - 3 / 4])
+    # The spread's draws as a run's steps: one sample each, so every draw is the steady step.
+    spread = simulate_spread(module, samples={(1, weight): [5.0]}, draws=3, steady=True)
+    assert spread.iteration_s == pytest.approx(7.0)
+
+
 def test_allreduce_waits_for_the_whole_group() -> None:
     """Replica 0 runs microbatches 0 and 2, replica 1 only 1: the ring starts when replica 0 arrives.
 

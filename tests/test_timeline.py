@@ -15,6 +15,7 @@ from dapple_ir.ir.printer import print_module
 from dapple_ir.sim.drawing import draw_timeline, figure_size
 from dapple_ir.sim.simulator import simulate
 from dapple_ir.sim.trace import Span, Timeline, from_simulation, overlay, read_trace, write_trace
+from dapple_ir.units import format_seconds
 from tests.test_simulator import schedule_module, small_cluster
 
 COMPUTE = COMPUTE_KINDS
@@ -132,6 +133,23 @@ def test_cli_writes_summary_trace_and_picture(tmp_path: Path, capsys: pytest.Cap
     trace = read_trace(plan / "timeline.json")
     assert trace.ranks == 3
     assert trace.metadata["cluster"] == "1x4xV100-16GB"
+
+
+def test_cli_steady_prints_the_period_of_back_to_back_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--steady` simulates back-to-back steps (`simulate(steady=True)`): the summary's iteration is their period.
+    zb-h1 over 2 stages, 2 microbatches, the last stage's backward twice as long: that stage ends its step 1 s after
+    the first, whose next step starts meanwhile, so the period (10 s) is 1 s below the first step's 11 s (the
+    arithmetic of such a step: tests/test_simulator.py)."""
+    module = schedule_module("zb-h1", 2, 2, out_bytes=1e6)
+    module.stages[1].ops[0].attrs.bwd_s = 4.0
+    (tmp_path / "p.dapple").write_text(print_module(module))
+    first = simulate(module, cluster="1x4xV100-16GB")
+    steady = simulate(module, cluster="1x4xV100-16GB", steady=True)
+    assert steady.iteration_s == pytest.approx(first.iteration_s - 1.0)
+    assert main(["simulate", str(tmp_path / "p.dapple"), "--cluster", "1x4xV100-16GB", "--steady", "--no-picture"]) == 0
+    out = capsys.readouterr().out
+    assert "steady state" in out and f"iteration {format_seconds(steady.iteration_s)}" in out
+    assert read_trace(tmp_path / "timeline.json").ranks == 2
 
 
 def test_cli_ir_file_with_output_dir_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

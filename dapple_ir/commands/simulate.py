@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "examples:\n"
             "  dapple simulate plans/gpt            # a directory written by dapple compile\n"
             "  dapple simulate lowered.dapple -o out --cluster 2x8xV100-16GB\n"
-            "  dapple simulate plans/gpt --compare plans/gpt/timeline_measured.json   # after dapple run"
+            "  dapple simulate plans/gpt --compare plans/gpt/timeline_measured.json   # after dapple run\n"
+            "  dapple simulate plans/gpt --steady   # a long run's steps: the period between them"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -37,6 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         metavar="F",
         help="share of a stage's backward time its backward_input takes in zero-bubble plans (default 0.5)",
+    )
+    p.add_argument(
+        "--steady",
+        action="store_true",
+        help="the steady state of back-to-back steps, each rank starting where it ended the step before (a long "
+        "run's later steps): the iteration is the period between steps, which overlap where ranks end apart; "
+        "default: the first step, every rank starting at once",
     )
     p.add_argument("--no-picture", action="store_true", help="write timeline.json only, skip the PNG")
     p.add_argument(
@@ -60,10 +68,13 @@ def run(args: argparse.Namespace) -> int:
         plan,
         cluster=args.cluster,
         backward_input_fraction=BACKWARD_INPUT_FRACTION if fraction is None else fraction,
+        steady=args.steady,
     )
     out = Path(args.output) if args.output else (plan if plan.is_dir() else plan.parent)
     out.mkdir(parents=True, exist_ok=True)
     print(result.summary())
+    if args.steady:
+        print("steady state: the iteration is the period from one step's end to the next's on the last rank")
     if result.cluster_name == "ideal":
         print("note: no cluster given or named by the plan; communication is free (give --cluster)", file=sys.stderr)
     timeline = from_simulation(result)

@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dapple_ir.analysis import memory
@@ -120,6 +120,10 @@ BACKWARD_INPUT_FRACTION = 0.5
 #: Instructions that occupy the compute stream (drawn on the compute track): the stage's
 #: computation and the optimizer step.
 COMPUTE_STREAM_KINDS = COMPUTE_KINDS | {InstrKind.OPTIMIZER_STEP}
+#: Instructions during which the rank's host is busy with work of its own, so that a transport thread sharing its
+#: core waits (`busy_receive_slowdown`): the compute stream's, and the loads and frees where they take time (a
+#: replayed step's).
+HOST_BUSY_KINDS = COMPUTE_STREAM_KINDS | {InstrKind.LOAD_MICROBATCH, InstrKind.FREE}
 
 #: Instructions whose time is spent on the comm track.
 COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE})
@@ -143,6 +147,8 @@ class _Transfer:
     transfer, whose measured time counts from the later of its send and its post (the notice included)."""
     measured: bool = False
     """A replayed transfer: its time is as measured, whatever its receiver did meanwhile."""
+    answered: bool = False
+    """Its sender's transport has answered the ready notice (`_Simulator.answered_s`): the bytes may move."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +252,7 @@ def simulate(
     cluster: ClusterSpec | str | None = None,
     backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
     durations: Mapping[tuple[int, int], float] | None = None,
+    steady: bool = False,
 ) -> SimulationResult:
     """Simulate one iteration of the plan's rank programs.
 
@@ -261,9 +268,18 @@ def simulate(
     (`bench/runtime_vs_torch_pipelining.py`). A send's entry is its transfer's time,
     from the later of the send and its receive's post to the data's arrival (the ready notice and any link
     sharing included: the transfer takes no link). Other kinds keep their own timing.
+    `steady`: the iteration as a long run repeats it, not the first one. By default every rank starts at 0, as
+    in a run's first step (and as the planner compares plans); a run's later steps each start where the rank
+    ended the step before, so a rank that ends early starts early, and the next step's first work overlaps the
+    tail of the ranks that end late. Then `iteration_s` is the period, from one step's end to the next's on the
+    last rank (what a run's steps measure), and `bubble_fraction` each rank's share of it spent waiting.
     """
     (result,) = simulate_each(
-        module_or_path, [durations or {}], cluster=cluster, backward_input_fraction=backward_input_fraction
+        module_or_path,
+        [durations or {}],
+        cluster=cluster,
+        backward_input_fraction=backward_input_fraction,
+        steady=steady,
     )
     return result
 
@@ -274,9 +290,13 @@ def simulate_each(
     *,
     cluster: ClusterSpec | str | None = None,
     backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
+    steady: bool = False,
 ) -> Iterator[SimulationResult]:
     """`simulate` once per mapping of `durations`, in order; what does not depend on them (the modelled costs,
-    the routes, where each receive is posted) is worked out once (`dapple_ir.sim.spread` runs many)."""
+    the routes, where each receive is posted) is worked out once (`dapple_ir.sim.spread` runs many). `steady`:
+    the steps back to back, as a run takes them: the first in the steady state of steps like it
+    (`simulate(steady=True)`), each later one starting where each rank ended the one before it, its
+    `iteration_s` the period from the last rank's end of that step to its end of this one."""
     module = _load(module_or_path)
     if not module.programs:
         raise DappleError(
@@ -286,11 +306,16 @@ def simulate_each(
     fractions = _fractions(module, backward_input_fraction)
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
     simulator = _Simulator(module, spec, fractions)
+    ends: list[float] | None = None  # steady: when each rank ended the step before
     for replay in durations:
         for (rank, index), seconds in replay.items():
             if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
                 raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
-        yield simulator.run(replay)
+        if not steady:
+            yield simulator.run(replay)
+            continue
+        result, ends = simulator.settle(replay) if ends is None else simulator.follow(replay, ends)
+        yield result
 
 
 def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage, float]:
@@ -355,6 +380,8 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
 #: whose receive is posted and whose receiver's notice reaches the sender then, or the first end in a bundle of
 #: computations on shared cores.
 _RESUME, _FLOW_END, _FLOW_START, _CORE_END = 0, 1, 2, 3
+#: Runs after the first that `simulate(steady=True)` takes at most to reach the steady state.
+STEADY_RUNS = 12
 
 
 class _Simulator:
@@ -473,8 +500,40 @@ class _Simulator:
 
     # ---------------------------------------------------------------------------- the main loop
 
-    def run(self, replay: Mapping[tuple[int, int], float]) -> SimulationResult:
-        """One iteration, the instructions in `replay` taking its seconds. Each run starts with idle links."""
+    def settle(self, replay: Mapping[tuple[int, int], float]) -> tuple[SimulationResult, list[float]]:
+        """The iteration in the steady state of back-to-back steps that all take `replay`'s times: `follow` again
+        and again from every rank at 0, until every rank's step takes what it took the run before (at most
+        `STEADY_RUNS` runs after the first); the last run, and when each rank ended it."""
+        result, ends = self.follow(replay, [0.0] * len(self.module.programs))
+        took = ends
+        for _ in range(STEADY_RUNS):
+            result, after = self.follow(replay, ends)
+            now_took = [b - a for a, b in zip(ends, after, strict=True)]
+            tolerance = 1e-9 * max(result.iteration_s, 1e-12)
+            settled = all(abs(a - b) <= tolerance for a, b in zip(now_took, took, strict=True))
+            ends, took = after, now_took
+            if settled:
+                break
+        return result, ends
+
+    def follow(
+        self, replay: Mapping[tuple[int, int], float], begin: list[float]
+    ) -> tuple[SimulationResult, list[float]]:
+        """One step after a step that each rank ended at its time in `begin`: the run from there, its times from
+        its first instruction's start and its `iteration_s` the period (from the last rank's end of the step
+        before to its end of this one); and when each rank ended it."""
+        result = self.run(replay, begin)
+        ends = [max(e, default=b) for e, b in zip(result.ends, begin, strict=True)]
+        origin = min(min(s, default=b) for s, b in zip(result.starts, begin, strict=True))
+        result.starts = [[t - origin for t in s] for s in result.starts]
+        result.ends = [[t - origin for t in e] for e in result.ends]
+        result.memory = [[(max(0.0, t - origin), b) for t, b in curve] for curve in result.memory]
+        result.iteration_s = max(ends) - max(begin)
+        return result, ends
+
+    def run(self, replay: Mapping[tuple[int, int], float], begin: list[float] | None = None) -> SimulationResult:
+        """One iteration, the instructions in `replay` taking its seconds; each rank from its time in `begin`
+        (default 0). Each run starts with idle links."""
         programs = self.module.programs
         self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
         core_paths = self.core_paths
@@ -485,7 +544,7 @@ class _Simulator:
         starts = [[0.0] * len(p.instrs) for p in programs]
         ends = [[0.0] * len(p.instrs) for p in programs]
         step_s = [self.optimizer_s(r) for r in range(n)]
-        clock = [0.0] * n
+        clock = list(begin) if begin is not None else [0.0] * n
         busy = [0.0] * n
         pc = [0] * n
         # (rank, index) -> (rank, index) whose completion the instruction waited for.
@@ -495,7 +554,7 @@ class _Simulator:
         # (value, grad, mb, sending rank, receiving rank) -> (arrival time, sending rank, send index)
         arrivals: dict[tuple, tuple[float, int, int]] = {}  # type: ignore[type-arg]
         recv_waiters: dict[tuple, int] = {}  # type: ignore[type-arg]
-        self.arrivals, self.recv_waiters, self.starts, self.ends = arrivals, recv_waiters, starts, ends
+        self.arrivals, self.recv_waiters, self.starts, self.ends, self.pc = arrivals, recv_waiters, starts, ends, pc
         # Transfer key -> (when its receive was posted, the instruction it was posted before); sends issued before
         # their receive's post wait in `unposted`.
         posted: dict[tuple, tuple[float, int]] = {}  # type: ignore[type-arg]
@@ -517,7 +576,7 @@ class _Simulator:
         self.heap = heap
         self.ticket = 0
         for r in range(n):
-            self.push(0.0, _RESUME, r)
+            self.push(clock[r], _RESUME, r)
         fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
         replayed = replay or None  # none: the hot loop skips the lookup
         host, wake = self.host, self.wake
@@ -550,7 +609,12 @@ class _Simulator:
                         self.flow_ended(owners.pop(flow), now)
                 continue
             if event == _FLOW_START:
-                self.start_transfer(now, self.deferred.pop(r))
+                transfer = self.deferred.pop(r)
+                answered = self.answered_s(transfer, now)
+                if answered > now:
+                    self.defer(answered, replace(transfer, answered=True))
+                else:
+                    self.start_transfer(now, transfer)
                 continue
             if event == _CORE_END:
                 assert cores is not None
@@ -722,6 +786,27 @@ class _Simulator:
         self.deferred[ticket] = transfer
         heapq.heappush(self.heap, (start, ticket, _FLOW_START, ticket, 0))
 
+    def answered_s(self, transfer: _Transfer, now: float) -> float:
+        """When the sender's transport answers the ready notice of a transfer whose send was issued before its
+        receive was posted, the notice reaching the sender at `now`. Where the sender's device slows a busy rank's
+        transfers (`busy_receive_slowdown` above 1: the transport's thread shares the rank's core), once the
+        instruction of the sender's own work (`HOST_BUSY_KINDS`) running then is done; else, and for a replayed
+        transfer, at once. (A send issued to a posted receive is written by the rank itself as it issues it: no
+        answer to wait for.) The sender's instructions up to `now` are all known here: a rank that computes runs
+        ahead of the global clock, and one that is parked waits. Under shared cores (`cores_per_node`) the
+        instruction in flight has no end yet, and the notice is answered at once."""
+        slowdowns = self.slowdowns
+        if slowdowns is None or slowdowns[transfer.src] == 1.0 or transfer.answered or transfer.measured:
+            return now
+        src, instrs = transfer.src, self.module.programs[transfer.src].instrs
+        st, en = self.starts[src], self.ends[src]
+        for j in range(transfer.index + 1, self.pc[src]):
+            if st[j] > now:
+                break
+            if en[j] > now and instrs[j].kind in HOST_BUSY_KINDS:
+                return en[j]
+        return now
+
     def start_transfer(self, now: float, transfer: _Transfer) -> None:
         """Its send has issued and its receive is posted: the bytes flow from `now` (nothing when there are none)."""
         if self.slowdowns is not None and transfer.nbytes > 0 and not transfer.measured:
@@ -737,11 +822,11 @@ class _Simulator:
     def landing(self, rank: int, index: int, began: float, arrival: float, got: tuple) -> float:  # type: ignore[type-arg]
         """When a transfer into `rank`, which has reached its receive (instruction `index`), lands: its
         bytes took `arrival - began` on the links, and move `busy_receive_slowdown` times slower during the
-        receiver's compute instructions since `began` (`_landing`). The send's end moves with it."""
+        receiver's own work since `began` (`HOST_BUSY_KINDS`, `_landing`). The send's end moves with it."""
         instrs, st, en = self.module.programs[rank].instrs, self.starts[rank], self.ends[rank]
         busy = []
         for j in range(index - 1, -1, -1):
-            if instrs[j].kind in COMPUTE_STREAM_KINDS and en[j] > began:
+            if instrs[j].kind in HOST_BUSY_KINDS and en[j] > began:
                 busy.append((max(st[j], began), en[j]))
             if st[j] <= began:
                 break

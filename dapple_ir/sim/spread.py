@@ -56,10 +56,12 @@ def simulate_spread(
     draws: int = 31,
     seed: int = 0,
     backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
+    steady: bool = False,
 ) -> SpreadResult:
     """Simulate `draws` iterations, each (rank, instruction index) in `samples` taking one of its samples,
     drawn uniformly and independently (seeded: the same call gives the same result); other instructions keep
-    their modelled time. `cluster` as for `simulate`."""
+    their modelled time. `cluster` as for `simulate`. `steady`: the draws are a run's steps back to back, each
+    starting where each rank ended the draw before (`simulate_each(steady=True)`), each iteration the period."""
     if draws < 1:
         raise DappleError(f"simulate_spread: draws must be at least 1, got {draws}")
     empty = sorted(key for key, values in samples.items() if not values)
@@ -71,7 +73,9 @@ def simulate_spread(
     drawn = ({key: rng.choice(samples[key]) for key in keys} for _ in range(draws))
     iterations: list[float] = []
     busy: list[list[float]] = []
-    for result in simulate_each(module, drawn, cluster=cluster, backward_input_fraction=backward_input_fraction):
+    for result in simulate_each(
+        module, drawn, cluster=cluster, backward_input_fraction=backward_input_fraction, steady=steady
+    ):
         iterations.append(result.iteration_s)
         busy.append(list(result.busy_s))
     return SpreadResult(iterations, busy)
