@@ -4,7 +4,7 @@
    `dapple calibrate --device cpu --devices P --fit profile.json` writes a cluster TOML for this machine.
 2. `dapple compile --cluster cluster.toml` a few plans (stages, schedule and microbatches forced, the
    planner choosing cuts and replication; and one with only the stages forced, the planner's own choice of
-   schedule and microbatch count) and `dapple_ir.simulate(plan_dir)` predicts an iteration.
+   schedule and microbatch count) and `dapple_ir.simulate(plan_dir, steady=True)` predicts an iteration.
 3. `dapple_ir.run(plan_dir, transport="torchrun")` trains each plan with one process per rank; the
    measured iteration is the median step past the first `WARMUP` (`RunResult.step_s`: the simulator
    predicts a steady step, and the first steps of a run warm caches and allocators up). Plans run
@@ -70,14 +70,15 @@ def calibrated(cluster: Path) -> str:
 
 
 def compile_plan(spec: str, cluster: Path, plan: dict[str, Any], out: Path) -> float:
-    """Compile one plan; its simulated iteration time."""
+    """Compile one plan; its simulated iteration time: the steady state's period (`simulate(steady=True)`), as a
+    run's later steps measure it."""
     import dapple_ir
 
     dapple_ir.compile(
         spec, cluster=str(cluster), global_batch=GLOBAL_BATCH, stages=plan["stages"],
         microbatches=plan["m"], schedule=plan["schedule"], optimizer="sgd", out_dir=out,
     )  # fmt: skip
-    return float(dapple_ir.simulate(out).iteration_s)
+    return float(dapple_ir.simulate(out, steady=True).iteration_s)
 
 
 def split_free_s(plan_dir: Path, cluster: Path) -> float:
@@ -92,7 +93,8 @@ def split_free_s(plan_dir: Path, cluster: Path) -> float:
     free = tuple(
         dataclasses.replace(k, split_backward_overhead=0.0, split_backward_per_byte=0.0) for k in spec.node_kinds
     )
-    return float(dapple_ir.simulate(plan_dir, cluster=dataclasses.replace(spec, node_kinds=free)).iteration_s)
+    free_cluster = dataclasses.replace(spec, node_kinds=free)
+    return float(dapple_ir.simulate(plan_dir, cluster=free_cluster, steady=True).iteration_s)
 
 
 #: Steps of a run left out of its measured iteration (fewer where the run has no more).
