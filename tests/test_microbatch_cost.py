@@ -264,6 +264,22 @@ def test_calibration_recovers_a_planted_fixed_cost(tmp_path: Path) -> None:
     assert resolve_cluster(str(out)).device(0).op_overhead == pytest.approx(4e-5, rel=1e-6)
 
 
+def test_the_fixed_cost_is_fitted_to_the_whole_step_as_the_efficiency_is(tmp_path: Path) -> None:
+    """A profile that timed its whole step (`step_s`) has its op times scaled to it before the line is fitted, as
+    `fit_efficiency` scales them: each profile's step half its ops' sum halves its points, and so the fixed part
+    (the planted 4e-5 s becomes 2e-5 s); a profile without `step_s` stays as timed."""
+    per_sample = {"a": 1e-5, "b": 3e-4}
+    paths = []
+    for batch in (2, 8, 32):
+        path = tmp_path / f"profile-{batch}.json"
+        _profile_json(path, batch, 4e-5, per_sample)
+        profile = json.loads(path.read_text())
+        profile["step_s"] = sum(e["fwd_s"] + e["bwd_s"] for e in profile["ops"].values()) / 2
+        path.write_text(json.dumps(profile))
+        paths.append(str(path))
+    assert fit_fixed_s(paths) == pytest.approx(2e-5, rel=1e-9)
+
+
 def test_calibration_needs_two_microbatch_sizes(tmp_path: Path) -> None:
     one, same = tmp_path / "one.json", tmp_path / "same.json"
     _profile_json(one, 4, 1e-5, {"a": 1e-5})

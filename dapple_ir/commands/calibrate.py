@@ -208,8 +208,7 @@ def fit_efficiency(path: str, kind: DeviceKind) -> dict[str, float]:
     compute_only = dataclasses.replace(kind, op_overhead=0.0)
     _batch, profile = _read_profile(path)
     ops: dict[str, dict[str, Any]] = profile["ops"]
-    summed = sum(float(e.get("fwd_s", 0.0)) + float(e.get("bwd_s", 0.0)) for e in ops.values())
-    scale = float(profile["step_s"]) / summed if profile.get("step_s") and summed > 0 else 1.0
+    scale = _step_scale(profile)
     ideal: dict[str, float] = {}
     measured: dict[str, float] = {}
     for entry in ops.values():
@@ -236,7 +235,12 @@ def fit_fixed_s(paths: list[str]) -> float:
     An op call's time is affine in its microbatch b (`dapple_ir.cluster.roofline`): t = f + k b.
     Summed over the N calls (forward and backward of every op that takes time) that every profile
     timed, T(b) = N f + K b; the least-squares line through the profiles' (b, T(b)) has intercept
-    N f. A negative intercept (noise on a machine with no fixed cost to speak of) gives 0.
+    N f. A negative intercept (noise on a machine with no fixed cost to speak of) gives 0. A profile
+    that timed its whole step (`step_s`) has its op times scaled to it first (`_step_scale`), as
+    `fit_efficiency` scales them: the fixed part and the efficiency then describe the same step (timed
+    alone, an op carries call costs that the ops of a running step share; fitted from the unscaled sums
+    while the efficiency came from the scaled ones, the bench MLP's cluster priced its steps at 32
+    samples 6-15 % slow).
     """
     profiles = [_read_profile(path) for path in paths]
     batches = {batch for batch, _profile in profiles}
@@ -255,9 +259,17 @@ def fit_fixed_s(paths: list[str]) -> float:
     }
     if not calls:
         raise DappleError(f"calibrate: {', '.join(paths)} share no op that takes time; profile one model at each size")
-    points = [(float(batch), sum(float(p["ops"][name][key]) for name, key in calls)) for batch, p in profiles]
+    points = [
+        (float(batch), _step_scale(p) * sum(float(p["ops"][name][key]) for name, key in calls)) for batch, p in profiles
+    ]
     intercept, _slope = line_fit(points)
     return max(0.0, intercept / len(calls))
+
+
+def _step_scale(profile: dict[str, Any]) -> float:
+    """The profile's whole step (`step_s`) over the sum of its ops' times; 1 where it did not time the step."""
+    summed = sum(float(e.get("fwd_s", 0.0)) + float(e.get("bwd_s", 0.0)) for e in profile["ops"].values())
+    return float(profile["step_s"]) / summed if profile.get("step_s") and summed > 0 else 1.0
 
 
 def _has_flop_counts(path: str) -> bool:
