@@ -73,7 +73,8 @@ def calibrated(cluster: Path) -> str:
         f"message, split {kind.split_backward_overhead * 1e6:.0f} us per weight op + "
         f"{kind.split_backward_per_byte * 1e12:.0f} us per MB, link {spec.intra.latency * 1e6:.0f} us + "
         f"{spec.intra.bandwidth / 1e9:.2f} GB/s, busy receiver {kind.busy_receive_slowdown:.3g}x, "
-        f"woken rank's wait for a core {kind.wake_overhead * 1e6:.0f} us"
+        f"woken rank's wait for a core {kind.wake_overhead * 1e6:.0f} us, allreduce host "
+        f"{kind.reduce_per_byte * 1e12:.0f} us per MB reduced"
     )
 
 

@@ -143,7 +143,9 @@ def test_written_toml_reads_back_equal(tmp_path: Path, shorthand: str) -> None:
     hosted = dataclasses.replace(
         spec,
         node_kinds=tuple(
-            dataclasses.replace(k, instruction_overhead=1.5e-4, message_overhead=2.5e-4, wake_overhead=4e-4)
+            dataclasses.replace(
+                k, instruction_overhead=1.5e-4, message_overhead=2.5e-4, wake_overhead=4e-4, reduce_per_byte=1.2e-9
+            )
             for k in spec.node_kinds
         ),
     )

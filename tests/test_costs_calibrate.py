@@ -80,6 +80,10 @@ def test_calibrate_writes_a_usable_cluster(tmp_path: Path) -> None:
     assert 0.0 < cpu.instruction_overhead + cpu.message_overhead < 0.1
     assert cpu.instruction_overhead >= 0.0 and cpu.message_overhead >= 0.0
     assert (cpu.instruction_overhead != 0.0) == ("instruction_overhead" in out.read_text())
+    # And what an allreduce member's host spends per byte it reduces beyond the link (gloo's sums and copies): from
+    # 0 to a microsecond a byte (a CPU below 1 MB/s), in the file where not 0.
+    assert 0.0 <= cpu.reduce_per_byte < 1e-6
+    assert (cpu.reduce_per_byte != 0.0) == ("reduce_per_byte" in out.read_text())
     # And from the same run, a woken rank's wait for a core: none below 0, under a second, in the file where not 0.
     assert 0.0 <= cpu.wake_overhead < 1.0
     assert (cpu.wake_overhead != 0.0) == ("wake_overhead" in out.read_text())
@@ -195,7 +199,7 @@ def test_a_cpu_rank_gets_its_share_of_the_rate_alone(monkeypatch: pytest.MonkeyP
 
     assert 0.5 < measure._shared_rate(torch.device("cpu"), "cpu", neighbours=0, rounds=7) < 2.0
     monkeypatch.setattr(measure, "_shared_rate", lambda device, kind_name, neighbours: 0.5)
-    monkeypatch.setattr(measure, "measure_cpu_link", lambda: (DEFAULT_LINKS["cpu"][0], 1.0))
+    monkeypatch.setattr(measure, "measure_cpu_link", lambda: (DEFAULT_LINKS["cpu"][0], 1.0, 0.0))
     node = measure.measure_node("cpu", 2)
     assert node.kind.peak_flops == {k: v * 0.5 for k, v in node.solo.peak_flops.items()}
     assert node.kind.peak_flops  # there was a rate to share

@@ -75,6 +75,13 @@ class DeviceKind:
     The simulator adds it to every such wait. `dapple calibrate` measures it with `instruction_overhead`, as the mean
     run-queue delay of the receives that blocked (`calibrate.fit_wake`); the runtime benchmark fits it the same way
     to each of its runs. About 0 where each rank has a core or a GPU of its own; 0 on the presets."""
+    reduce_per_byte: float = 0.0
+    """Seconds an allreduce member spends per byte it reduces beyond moving the bytes over the links: on a CPU,
+    gloo sums what it receives and copies the tensor into and out of its own buffers on the host, and a ring of n
+    members reduces (n-1)/n of the bytes on each. The simulator and the cost model add it to every ring
+    (`Network.allreduce_s`). `dapple calibrate` measures it with the link, from an allreduce of 16 MiB between
+    two processes against its ring time on the measured link (a 2-core VM: about 1 ns a byte, so 8 MiB of
+    gradients take 7 ms where the link alone says 2.8). 0 on the presets: NCCL reduces on the GPU as it moves."""
 
     @property
     def prices_host(self) -> bool:

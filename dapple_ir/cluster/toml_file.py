@@ -23,6 +23,7 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     instruction_overhead = 0.0      # host seconds per compute instruction, outside its ops
     message_overhead = 0.0          # host seconds per send or receive, at each end
     wake_overhead = 0.0             # seconds a blocked rank waits for a core once its data is there
+    reduce_per_byte = 0.0           # host seconds per byte an allreduce member reduces, beyond the links
 
     [fabric]                        # inside a node; default: the first node's machine preset
     kind = "switch"                 # "switch": a port per device; "bus": one link all transfers share
@@ -84,6 +85,7 @@ _PRICE_KEYS = (
     "instruction_overhead",
     "message_overhead",
     "wake_overhead",
+    "reduce_per_byte",
 )
 _KIND_KEYS = {
     "base",

@@ -119,10 +119,20 @@ class Network:
     def allreduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
         """A ring allreduce alone on the network: each of the n steps sends 2(n-1)/n of the bytes, the
         links share equally among the steps that cross them, and each of the 2(n-1) rounds pays the
-        slowest hop's latency. The ring ends when its slowest step does."""
+        slowest hop's latency. The ring ends when its slowest step does, and its members have reduced
+        their (n-1)/n of the bytes on the host (`reduce_s`)."""
         n = len(set(devices))
         if n <= 1 or nbytes <= 0:
             return 0.0
         per_step = 2 * (n - 1) / n * nbytes
         slowest = max(count / self.links[k].bandwidth for k, count in self.ring_load(devices).items())
-        return per_step * slowest + 2 * (n - 1) * self.ring_latency(devices)
+        return per_step * slowest + 2 * (n - 1) * self.ring_latency(devices) + self.reduce_s(nbytes, devices)
+
+    def reduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
+        """The host's time in a ring allreduce of `nbytes` over `devices` beyond the links: each member reduces
+        (n-1)/n of the bytes at its device kind's `reduce_per_byte`; the ring waits for the slowest."""
+        members = set(devices)
+        n = len(members)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) / n * nbytes * max(self.cluster.device(d).reduce_per_byte for d in members)

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         f"a woken rank's wait for a core {kind.wake_overhead * 1e6:.0f} us, "
         f"{kind.memory_bytes / 1e9:.1f} GB per device; link {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{intra.latency * 1e6:.0f} us; transfers into a computing rank {kind.busy_receive_slowdown:.3g}x slower; "
+        f"an allreduce member's host {kind.reduce_per_byte * 1e12:.0f} us per MB it reduces; "
         f"efficiency: {fitted}{_sharing(cores, devices)} -> {args.output}",
         file=sys.stderr,
     )

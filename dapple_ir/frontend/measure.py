@@ -97,8 +97,9 @@ def measure_node(device: str, devices: int | None) -> NodeMeasurement:
             kind = measure_device(torch.device(device), kind_name, count, neighbours=working - 1, flops=flops)
     if kind_name != "cpu" or count == 1:
         return NodeMeasurement(kind, solo, count, None, cores)
-    link, slowdown = measure_cpu_link()
-    return NodeMeasurement(dataclasses.replace(kind, busy_receive_slowdown=slowdown), solo, count, link, cores)
+    link, slowdown, reduce = measure_cpu_link()
+    kind = dataclasses.replace(kind, busy_receive_slowdown=slowdown, reduce_per_byte=reduce)
+    return NodeMeasurement(kind, dataclasses.replace(solo, reduce_per_byte=reduce), count, link, cores)
 
 
 def shared_cores(kind_name: str, devices: int) -> int:
@@ -147,15 +148,18 @@ def measure_device(
     return DeviceKind(kind_name, memory, flops, bandwidth, op_overhead=max(overhead, fitted))
 
 
-def measure_cpu_link() -> tuple[Link, float]:
-    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth, and the
-    busy receiver's slowdown (`DeviceKind.busy_receive_slowdown`).
+def measure_cpu_link() -> tuple[Link, float, float]:
+    """gloo between two processes on this machine, as two CPU ranks talk: one-way latency and bandwidth, the
+    busy receiver's slowdown (`DeviceKind.busy_receive_slowdown`) and the host's seconds per byte an allreduce
+    member reduces (`DeviceKind.reduce_per_byte`).
 
     Two fresh processes (torch's spawn), each with half the cores, bounce a 4-byte and a 16 MiB tensor back and
-    forth. Then the sender sends `_BUSY_BYTES` and computes, while the receiver, its receive posted, either waits
-    (the transfer's time T) or first computes for D and then waits w: the transfer moved T - w while it computed,
-    so it moves D / (T - w) times slower then. Every wait is bounded, and a machine where the processes cannot
-    meet keeps the default link and no slowdown, with a note on stderr.
+    forth, and allreduce the 16 MiB tensor: what the allreduce takes beyond its ring on the measured link
+    (`Network.allreduce_s`: 16 MiB at its bandwidth and two latencies) is the hosts' reduction, per byte of the
+    half each member reduces. Then the sender sends `_BUSY_BYTES` and computes, while the receiver, its receive
+    posted, either waits (the transfer's time T) or first computes for D and then waits w: the transfer moved
+    T - w while it computed, so it moves D / (T - w) times slower then. Every wait is bounded, and a machine where
+    the processes cannot meet keeps the default link, no slowdown and no reduction price, with a note on stderr.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -175,13 +179,15 @@ def measure_cpu_link() -> tuple[Link, float]:
     if not isinstance(found, tuple):
         why = found or "no answer in time"
         print(f"calibrate: no gloo timing between two processes ({why}); keeping the default link", file=sys.stderr)
-        return DEFAULT_LINKS["cpu"][0], 1.0
-    ping_s, bulk_s, idle_s, busy_s, waited_s = found
+        return DEFAULT_LINKS["cpu"][0], 1.0, 0.0
+    ping_s, bulk_s, reduce_s, idle_s, busy_s, waited_s = found
     latency = ping_s / 2
     moved = idle_s - waited_s  # what of the transfer went through while the receiver computed
     top = MAX_BUSY_RECEIVE_SLOWDOWN
     slowdown = busy_s / moved if moved > busy_s / top else top
-    return Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency), min(top, max(1.0, slowdown))
+    link = Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
+    ring = _BULK_BYTES / link.bandwidth + 2 * latency
+    return link, min(top, max(1.0, slowdown)), max(0.0, (reduce_s - ring) / (_BULK_BYTES / 2))
 
 
 def _free_port() -> int:
@@ -191,8 +197,9 @@ def _free_port() -> int:
 
 
 def _link_worker(rank: int, port: int, results: Any, threads: int) -> None:
-    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one, and from
-    rank 1's busy-receiver rounds the median transfer into a waiting receiver, compute time and wait after it)."""
+    """One end of the link measurement; rank 0 puts (round trip of the small message, of the large one, its
+    allreduce, and from rank 1's busy-receiver rounds the median transfer into a waiting receiver, compute time and
+    wait after it)."""
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(
@@ -216,6 +223,7 @@ def _link_worker(rank: int, port: int, results: Any, threads: int) -> None:
             return sorted(times[1:])[len(times[1:]) // 2]
 
         ping, bulk = round_trip(_PING_BYTES, _PINGS), round_trip(_BULK_BYTES, 7)
+        reduce = _allreduce_s(_BULK_BYTES, 7)
         idle = _busy_receiver_rounds(rank, computes=False)
         busy = _busy_receiver_rounds(rank, computes=True)
         # Rank 1 timed the rounds; rank 0 reports.
@@ -228,10 +236,23 @@ def _link_worker(rank: int, port: int, results: Any, threads: int) -> None:
             dist.recv(timed, 1)
         dist.destroy_process_group()
         if rank == 0:
-            results.put((ping, bulk, *(float(x) for x in timed)))
+            results.put((ping, bulk, reduce, *(float(x) for x in timed)))
     except Exception as exc:
         if rank == 0:
             results.put(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def _allreduce_s(nbytes: int, rounds: int) -> float:
+    """The median allreduce (sum) of `nbytes` of f32 over the group, the first round left out; each round starts
+    from a barrier, so that neither member waits for the other in it."""
+    buf = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return median(times[1:])
 
 
 def _busy_receiver_rounds(rank: int, computes: bool) -> list[tuple[float, float]]:

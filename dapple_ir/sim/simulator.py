@@ -866,8 +866,9 @@ class _Simulator:
             return key
         group = [self.devices[m] for m in what[0]]
         steps = self.network.ring(group)
-        # Nothing to reduce costs nothing, as in `Network.allreduce_s`.
+        # Nothing to reduce costs nothing, as in `Network.allreduce_s`; the hosts' reduction comes after the links.
         latency = 2 * (len(steps) - 1) * self.network.ring_latency(group) if steps and nbytes > 0 else 0.0
+        latency += self.network.reduce_s(nbytes, group) if steps else 0.0
         paths = [self.network.path(a, b) for a, b in steps] if nbytes > 0 else []
         paths = [p for p in paths if not self.sharing.is_free(p)]
         if not paths:
