@@ -529,8 +529,9 @@ def split_points(plan_dir: Path) -> dict[str, str]:
 
 #: Span kinds that run a stage's computation.
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
-#: Span kinds during which a rank's transport thread waits for its core: its computation and its optimizer step.
-HOLDING = (*COMPUTE, "optimizer_step")
+#: Span kinds during which a rank's transport thread waits for its core: its own work, as the simulator's
+#: `HOST_BUSY_KINDS` (computation, the optimizer step, loads and frees).
+HOLDING = (*COMPUTE, "optimizer_step", "load_microbatch", "free")
 #: Span kinds in which a rank may wait for other ranks (on top of what the call itself costs it).
 WAITS = ("recv", "allreduce")
 #: Span kinds a replayed step times (`step_durations`): the rank's own work, each where it ran. A load before a
@@ -641,8 +642,9 @@ class Transfer:
     """One measured transfer: from the later of the send's issue (the sender's next non-send instruction, which
     hands queued sends to the transport) and its receive's post (the instruction `peak_memory.recv_posts` posts it
     before) to the receive's end, when the receiver waited for it; else to the receive's start, which it beat. A
-    receive posted after its send was issued is answered by the sender's transport thread once the compute span
-    the sender runs at the post is done (`simulator._Simulator.answered_s`): the transfer starts there."""
+    receive posted after its send was issued is answered by the sender's transport thread once the span of its
+    own work (`HOLDING`) the sender runs at the post is done (`simulator._Simulator.answered_s`): the transfer
+    starts there."""
 
     nbytes: float
     seconds: float
@@ -703,7 +705,7 @@ def transfers(module: Any, reports: list[dict[str, Any]], warmup: int) -> list[T
                     continue
                 recv, posted = got
                 begin = max(issue, posted)
-                if posted > issue:  # the sender's transport answers once its rank's computation lets it
+                if posted > issue:  # the sender's transport answers once its rank's own work lets it
                     begin = next(
                         (
                             later["end_s"]
@@ -914,7 +916,12 @@ def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int 
 
 
 def run_case(
-    cfg: Config, pairs: int, work: Path, deadline: float, ablate: bool = False, calibrated: tuple[float, float] = (1, 0)
+    cfg: Config,
+    pairs: int,
+    work: Path,
+    deadline: float,
+    ablate: bool = False,
+    calibrated: tuple[float, float] = (1.0, 0.0),
 ) -> dict[str, Any]:
     """Pairs of runs, ours then torch's (then, with `ablate`, ours without each of `ABLATIONS`' changes), and the
     figures; `calibrated` is what `dapple calibrate` measures for the case's ranks: (busy receiver's slowdown, a
