@@ -65,6 +65,7 @@ from dapple_ir.backends.torch.host_time import blocked, wake_delays  # noqa: E40
 from dapple_ir.cluster.spec import MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link  # noqa: E402
 from dapple_ir.commands.calibrate import fit_wake  # noqa: E402
 from dapple_ir.ir.parser import parse_module  # noqa: E402
+from dapple_ir.sim.simulator import HOST_BUSY_KINDS  # noqa: E402
 
 SPEC = {
     "tiny": "bench/bench_models.py:mlp_tiny",
@@ -529,9 +530,9 @@ def split_points(plan_dir: Path) -> dict[str, str]:
 
 #: Span kinds that run a stage's computation.
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
-#: Span kinds during which a rank's transport thread waits for its core: its own work, as the simulator's
-#: `HOST_BUSY_KINDS` (computation, the optimizer step, loads and frees).
-HOLDING = (*COMPUTE, "optimizer_step", "load_microbatch", "free")
+#: Span kinds during which a rank's transport thread waits for its core: its own work, the simulator's
+#: `HOST_BUSY_KINDS` (computation, the optimizer step, loads and frees), by the names the spans carry.
+HOLDING = frozenset(kind.value for kind in HOST_BUSY_KINDS)
 #: Span kinds in which a rank may wait for other ranks (on top of what the call itself costs it).
 WAITS = ("recv", "allreduce")
 #: Span kinds a replayed step times (`step_durations`): the rank's own work, each where it ran. A load before a
