@@ -206,6 +206,39 @@ def test_runtime_bench_fits_the_link_and_finds_the_waits() -> None:
     assert (solo.busy_s, solo.optimizer_s) == (pytest.approx(0.47), pytest.approx(0.05))
 
 
+def test_runtime_bench_waiting_error_is_the_spread_of_the_bootstrapped_median() -> None:
+    import runtime_vs_torch_pipelining as rt
+
+    # Every step 1 s (the period); each rank posts a receive that finds its data (1 ms, the floor) and one that
+    # waits. Rank 0 waits 0.1 s in odd steps and 0.3 s in even ones; rank 1 always 0.2 s. After the warm-up step,
+    # 29 steps: 15 busy 0.9 s (k = 1, 3, ..., 29), 14 busy 0.7 s.
+    period, floor, steps = 1.0, 0.001, 30
+
+    def report(rank: int, wait: Any) -> dict[str, Any]:
+        spans, step_times = [], {}
+        for k in range(steps):
+            t = k * period
+            step_times[str(k)] = [t, t + period]
+            spans += [{"kind": "recv", "start_s": t, "end_s": t + floor}]
+            spans += [{"kind": "recv", "start_s": t + 0.5, "end_s": t + 0.5 + floor + wait(k)}]
+        return {"rank": rank, "spans": spans, "step_times": step_times}
+
+    reports = [report(0, lambda k: 0.1 if k % 2 else 0.3), report(1, lambda k: 0.2)]
+    assert rt.measured_waiting([reports], 1) == pytest.approx([0.1, 0.2])
+    errors = rt.waiting_error([reports], 1, draws=400)
+    # A resample's median is 0.9 s (waiting 0.1) where it drew 15 or more of the 29 from the 15 steps busy 0.9 s,
+    # else 0.7 s (waiting 0.3): its standard deviation is 0.2 sqrt(q (1 - q)), q that binomial chance. Rank 1's
+    # waiting is the same in every resample.
+    q = sum(math.comb(29, n) * (15 / 29) ** n * (14 / 29) ** (29 - n) for n in range(15, 30))
+    assert errors[0] == pytest.approx(0.2 * math.sqrt(q * (1 - q)), rel=0.08)
+    assert errors[1] == pytest.approx(0.0, abs=1e-12)
+    # A gap of 0.15 points on rank 0 is 150 % of its 0.1 but under 2 standard errors: resolved as within; the
+    # same gap on rank 1, 75 % of its 0.2 with no error, is not.
+    assert rt.resolved_gap([0.25, 0.2], [0.1, 0.2], errors) == (pytest.approx(0.15 / errors[0]), True)
+    gap, ok = rt.resolved_gap([0.1, 0.35], [0.1, 0.2], errors)
+    assert gap > 1e6 and not ok
+
+
 def test_runtime_bench_shares_the_cores_it_is_told_of(tmp_path: Path) -> None:
     """`simulated_waiting` with `cores`: two ranks of measured costs on one core take, together, all their busy
     time per step (the closed form of one shared core: it never idles while either rank has work), where with a
