@@ -432,6 +432,16 @@ def step_periods(reports: list[dict[str, Any]], warmup: int) -> list[float]:
     return [ends[i] - ends[i - 1] for i in range(max(1, warmup), len(ends))]
 
 
+def step_spread(reports: list[dict[str, Any]], warmup: int) -> float:
+    """How much a run's steps vary from one to the next: the interquartile range of `step_periods` over their
+    median (0 with fewer than 2 steps)."""
+    periods = step_periods(reports, warmup)
+    if len(periods) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(periods, n=4)
+    return (quartiles[2] - quartiles[0]) / quartiles[1]
+
+
 def step_seconds(reports: list[dict[str, Any]], warmup: int) -> float:
     """The median of `step_periods`: the period a run's samples/s is taken from."""
     return median(step_periods(reports, warmup))
@@ -969,6 +979,7 @@ def run_case(
         "pairs": len(ours),
         "waiting": waiting,
         "error": waits.error,
+        "step_spread": median([step_spread(r, cfg.warmup) for r in ours]),
         "simulated": simulated,
         "replayed": waits.replayed,
         "reconstructed": waits.reconstructed,
@@ -1275,6 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios: list[float] = []
     fitted: list[float] = []  # each row's busy receiver's slowdown
     within: dict[str, list[bool]] = {}
+    spreads: dict[str, list[float]] = {}  # per model, each row's `step_spread`
     # Each case's share of the budget is its share of the runs (an ablated case runs four sides per pair).
     weights = [2 + len(ABLATIONS) if (cfg.size, cfg.procs, cfg.schedule) in ablated else 2 for cfg in cases]
     with tempfile.TemporaryDirectory(prefix="dapple-bench-rt-") as tmp:
@@ -1309,6 +1321,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 within.setdefault(name, []).append(rel <= 0.15)
             within.setdefault(RESOLVED, []).append(resolved)
+            spreads.setdefault(MODEL[cfg.size], []).append(r["step_spread"])
             table.add(
                 MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, r["ours_sps"], r["torch_sps"], r["ratio"],
                 _pct(r["waiting"]), _pct(r["simulated"]), 100 * sim_gap, 100 * sim_rel,
@@ -1452,10 +1465,12 @@ def main(argv: list[str] | None = None) -> int:
         "ours waiting's standard error: what the measurement itself resolves (`waiting_error`): the standard "
         f"deviation of the measured waiting over {BOOTSTRAP_DRAWS} bootstrap resamples of the runs' steps after "
         "warm-up, each resample taking the medians again (a step's period and its ranks' busy times drawn together). "
-        "The MLP's 50-80 ms steps vary by 6-12 % from one to the next on this machine, so a rank waiting 2 % of "
-        "them is measured to about 1 point, 50 % of itself: no simulation can be shown within 15 % of it. "
-        "'worst gap vs simulated (standard errors)' is the gap in those units; the headline's 'within 2 standard "
-        "errors' row counts a rank as within where its gap is within 15 % or within 2 standard errors.",
+        "The steps vary from one to the next (interquartile range over median, `step_spread`) by "
+        + (", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-")
+        + " in this run: where a rank waits a few % of a step that varies by more, the measurement cannot tell "
+        "15 % of its waiting apart. 'worst gap vs simulated (standard errors)' is the gap in those units; the "
+        "headline's 'within 2 standard errors' row counts a rank as within where its gap is within 15 % or within "
+        "2 standard errors.",
         "held = parameters + gradients + optimizer state + saved activations (+ stored values on our side), "
         "peak over the run; RSS = peak resident set of the rank process during that run (Linux's VmHWM, reset "
         "before each run after the previous run's freed heap went back to the system; includes the ~300 MiB of "

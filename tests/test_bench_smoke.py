@@ -237,6 +237,12 @@ def test_runtime_bench_waiting_error_is_the_spread_of_the_bootstrapped_median() 
     assert rt.resolved_gap([0.25, 0.2], [0.1, 0.2], errors) == (pytest.approx(0.15 / errors[0]), True)
     gap, ok = rt.resolved_gap([0.1, 0.35], [0.1, 0.2], errors)
     assert gap > 1e6 and not ok
+    # Steps of 1 s vary by nothing; steps ending 1, 2, ..., 5 s apart have quartiles 1.5, 3 and 4.5 s (the
+    # exclusive method): an interquartile range of 3 s over a median of 3 s.
+    assert rt.step_spread(reports, 1) == 0.0
+    ends = [0.0, 1.0, 3.0, 6.0, 10.0, 15.0]
+    steps = {str(k): [ends[k] - 0.5, ends[k]] for k in range(len(ends))}
+    assert rt.step_spread([{"rank": 0, "spans": [], "step_times": steps}], 1) == pytest.approx(1.0)
 
 
 def test_runtime_bench_shares_the_cores_it_is_told_of(tmp_path: Path) -> None:
