@@ -574,6 +574,8 @@ class RankCosts:
     with other ranks, not the plan."""
     loads: dict[int, float] = field(default_factory=dict)
     """Median span of each load by its index in the rank's program: a step's first load makes the global batch."""
+    busy_steps: tuple[float, ...] = ()
+    """`busy_s` of each step after warm-up (`_steps`), whose median it is."""
 
     @property
     def work_factor(self) -> float:
@@ -605,9 +607,12 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int, solo: bool = False) -
         busy, optimizer, spans, queued = [], [], [], []
         loads: dict[int, list[float]] = {}
         for k in _steps(reports, warmup):
+            start, end = r["step_times"][str(k)]
             step = _step_spans(r, k)
-            busy.append(_busy(r, k, floor, solo))
-            queued.append(sum(min(w, q) for w, q in _waits(step, floor)))
+            waits = [(max(0.0, sp["end_s"] - sp["start_s"] - floor), _queued(sp)) for sp in step if sp["kind"] in WAITS]
+            held_up = sum(_queued(sp) for sp in step if sp["kind"] not in WAITS) if solo else 0.0
+            busy.append(end - start - sum(w for w, _ in waits) - held_up)
+            queued.append(sum(min(w, q) for w, q in waits))
             optimizer.append(sum(_length(sp, solo) for sp in step if sp["kind"] == "optimizer_step"))
             spans.append([sp for sp in step if sp["kind"] in COMPUTE])
             for sp in step:
@@ -619,22 +624,8 @@ def rank_costs(reports: list[dict[str, Any]], warmup: int, solo: bool = False) -
         counts = {key: len(v) // len(spans) for key, v in durations.items()}
         compute = {key: median(v) for key, v in durations.items()}
         load_s = {index: median(v) for index, v in loads.items()}
-        costs.append(RankCosts(median(busy), median(optimizer), compute, counts, median(queued), load_s))
+        costs.append(RankCosts(median(busy), median(optimizer), compute, counts, median(queued), load_s, tuple(busy)))
     return costs
-
-
-def _waits(step: list[dict[str, Any]], floor: float) -> list[tuple[float, float]]:
-    """A step's waits, each (its receive's or allreduce's span less `floor`, the span's run-queue delay)."""
-    return [(max(0.0, sp["end_s"] - sp["start_s"] - floor), _queued(sp)) for sp in step if sp["kind"] in WAITS]
-
-
-def _busy(report: dict[str, Any], step: int, floor: float, solo: bool = False) -> float:
-    """The rank's own `step` (its start to its end) less its waits (`_waits`); `solo`: also less the run-queue
-    delay of its spans outside them."""
-    start, end = report["step_times"][str(step)]
-    spans = _step_spans(report, step)
-    held_up = sum(_queued(sp) for sp in spans if sp["kind"] not in WAITS) if solo else 0.0
-    return end - start - sum(w for w, _ in _waits(spans, floor)) - held_up
 
 
 def _queued(span: dict[str, Any]) -> float:
@@ -1081,8 +1072,10 @@ def idle_vs_bubble(
     without_wake: list[list[float]] = []
     wakes: list[float] = []
     cores = node_cores(len(module.programs))
+    every_costs: list[list[RankCosts]] = []
     for reports in runs:
         costs = rank_costs(reports, warmup)
+        every_costs.append(costs)
         measured.append(waiting_shares(reports, warmup, costs))
         cpu.append(cpu_shares(reports, warmup, costs))
         peer.append([max(0.0, m - c) for m, c in zip(measured[-1], cpu[-1], strict=True)])
@@ -1128,7 +1121,7 @@ def idle_vs_bubble(
         median(shared_iterations),
         _by_rank(without_wake),
         median(wakes),
-        waiting_error(runs, warmup),
+        waiting_error([step_periods(reports, warmup) for reports in runs], every_costs),
     )
 
 
@@ -1152,25 +1145,23 @@ RESOLVED = "median-cost, or within 2 standard errors of the measurement where it
 BOOTSTRAP_DRAWS = 200
 
 
-def waiting_error(runs: list[list[dict[str, Any]]], warmup: int, draws: int = BOOTSTRAP_DRAWS) -> list[float]:
-    """Per rank, the standard error of `measured_waiting` from the sampling of the steps: its standard deviation
-    over `draws` bootstrap resamples of every run's steps after warm-up (each resample draws a run's steps with
-    replacement and takes its medians again; a step's period and its ranks' busy times are drawn together, since
-    they come together). What the measurement itself cannot resolve: a simulation that misses by less is not told
-    apart from one that hits. Seeded, so the same runs give the same figure."""
+def waiting_error(
+    periods: list[list[float]], costs: list[list[RankCosts]], draws: int = BOOTSTRAP_DRAWS
+) -> list[float]:
+    """Per rank, the standard error of `measured_waiting` from the sampling of the steps, given each run's step
+    periods (`step_periods`) and its ranks' costs (`rank_costs`, whose `busy_steps` line up with them): its
+    standard deviation over `draws` bootstrap resamples of every run's steps after warm-up (each resample draws a
+    run's steps with replacement and takes its medians again; a step's period and its ranks' busy times are drawn
+    together, since they come together). What the measurement itself cannot resolve: a simulation that misses by
+    less is not told apart from one that hits. Seeded, so the same runs give the same figure."""
     rng = random.Random(0)
-    samples = []
-    for reports in runs:
-        floors = [_receive_floor(r) for r in reports]
-        busy = [[_busy(r, k, floor) for k in _steps(reports, warmup)] for r, floor in zip(reports, floors, strict=True)]
-        samples.append((step_periods(reports, warmup), busy))
-    resampled: list[list[float]] = [[] for _ in runs[0]]
+    resampled: list[list[float]] = [[] for _ in costs[0]]
     for _ in range(draws):
         shares = []
-        for periods, busy in samples:
-            pick = [rng.randrange(len(periods)) for _ in periods]
-            period = median([periods[i] for i in pick])
-            shares.append([max(0.0, 1.0 - median([b[i] for i in pick]) / period) for b in busy])
+        for run_periods, run_costs in zip(periods, costs, strict=True):
+            pick = [rng.randrange(len(run_periods)) for _ in run_periods]
+            period = median([run_periods[i] for i in pick])
+            shares.append([max(0.0, 1.0 - median([c.busy_steps[i] for i in pick]) / period) for c in run_costs])
         for rank, share in enumerate(_by_rank(shares)):
             resampled[rank].append(share)
     return [statistics.pstdev(values) for values in resampled]
@@ -1298,7 +1289,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
-                table.add(MODEL[cfg.size], cfg.procs, cfg.schedule, cfg.microbatches, reason, *["-"] * 37)
+                table.add(
+                    MODEL[cfg.size],
+                    cfg.procs,
+                    cfg.schedule,
+                    cfg.microbatches,
+                    reason,
+                    *["-"] * (len(table.columns) - 5),
+                )
                 continue
             sim_gap, sim_rel = worst_gap(r["waiting"], r["simulated"])
             sim_errors, resolved = resolved_gap(r["waiting"], r["simulated"], r["error"])

@@ -225,7 +225,7 @@ def test_runtime_bench_waiting_error_is_the_spread_of_the_bootstrapped_median() 
 
     reports = [report(0, lambda k: 0.1 if k % 2 else 0.3), report(1, lambda k: 0.2)]
     assert rt.measured_waiting([reports], 1) == pytest.approx([0.1, 0.2])
-    errors = rt.waiting_error([reports], 1, draws=400)
+    errors = rt.waiting_error([rt.step_periods(reports, 1)], [rt.rank_costs(reports, 1)], draws=400)
     # A resample's median is 0.9 s (waiting 0.1) where it drew 15 or more of the 29 from the 15 steps busy 0.9 s,
     # else 0.7 s (waiting 0.3): its standard deviation is 0.2 sqrt(q (1 - q)), q that binomial chance. Rank 1's
     # waiting is the same in every resample.

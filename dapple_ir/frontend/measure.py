@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dapple_ir.cluster.roofline import line_fit
-from dapple_ir.cluster.spec import DEFAULT_LINKS, MAX_BUSY_RECEIVE_SLOWDOWN, DeviceKind, Link
+from dapple_ir.cluster.spec import DEFAULT_LINKS, MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link
+from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profiler import Timer
 
@@ -186,7 +187,8 @@ def measure_cpu_link() -> tuple[Link, float, float]:
     top = MAX_BUSY_RECEIVE_SLOWDOWN
     slowdown = busy_s / moved if moved > busy_s / top else top
     link = Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
-    ring = _BULK_BYTES / link.bandwidth + 2 * latency
+    alone = DeviceKind("cpu", 0.0, {}, 0.0)  # no price of its own: the ring on the measured link only
+    ring = Network(ClusterSpec((alone,), 2, link, link)).allreduce_s(_BULK_BYTES, [0, 1])
     return link, min(top, max(1.0, slowdown)), max(0.0, (reduce_s - ring) / (_BULK_BYTES / 2))
 
 
