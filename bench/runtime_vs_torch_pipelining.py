@@ -1208,6 +1208,8 @@ def main(argv: list[str] | None = None) -> int:
         "--schedules", nargs="+", default=list(VIRTUAL), choices=list(VIRTUAL), help="schedules to compare (full run)"
     )
     parser.add_argument("--models", nargs="+", default=["bench", "gpt"], choices=["bench", "gpt"], help="(full run)")
+    parser.add_argument("--mlp-steps", type=int, default=90, help="steps per run on the MLP, warm-up included")
+    parser.add_argument("--gpt-steps", type=int, default=8, help="steps per run on the GPT, warm-up included")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -1226,7 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = [
             Config(size, p, s, m, batch, steps=steps, warmup=2, device=args.device, virtual=v)
-            for size, batch, steps in (("bench", 256, 30), ("gpt", 32, 8))
+            for size, batch, steps in (("bench", 256, args.mlp_steps), ("gpt", 32, args.gpt_steps))
             if size in args.models
             for p in args.procs
             for s, v in VIRTUAL.items()
@@ -1361,6 +1363,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{name} simulation in {sum(ok)} of {len(ok)} rows" for name, ok in within.items())
         )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    run_steps = {MODEL[cfg.size]: cfg.steps for cfg in cases}
     table.notes += [
         f"`dapple calibrate`'s own measurements on this machine, taken before the cases: the busy receiver's "
         f"slowdown (a 256 KiB gloo transfer into a rank that waits, and into one that computes for 20 ms first) "
@@ -1368,8 +1371,9 @@ def main(argv: list[str] | None = None) -> int:
         f"ranks, 1F1B) " + ", ".join(f"{wake * 1e6:.0f} us with {p} ranks" for p, wake in sorted(wakes.items())) + ".",
         "models: bench/bench_models.py: MLP width 512, 8 Linear layers (2.1M parameters), global batch 256; "
         "GPT-style d=256, 8 blocks, seq 64, 4 heads, vocabulary 512, global batch 32 (tiny sizes with --quick); SGD; "
-        f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), 30 steps per run on the MLP "
-        "(steps of 50-80 ms: fewer left its medians noisy), 8 on the GPT, the first 2 steps (1 with --quick) dropped; "
+        f"up to {pairs} A/B pair(s) per case (fewer past the budget: column 'pairs'), "
+        + ", ".join(f"{steps} steps per run on the {model}" for model, steps in run_steps.items())
+        + " (--mlp-steps, --gpt-steps), the first 2 steps (1 with --quick) dropped; "
         "medians. A case is one torchrun launch: its rank processes run ours, then torch's (then "
         "the ablation's: ours without early posts, ours without their headroom, ours without reused buffers, ours "
         "unpinned), pair "
