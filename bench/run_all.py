@@ -42,6 +42,9 @@ class Bench:
     json: bool = True
 
 
+#: The benchmark that `--keep-runs` is for.
+RUNTIME_BENCH = "runtime_vs_torch_pipelining"
+
 # Budgets add up to 30 minutes (issue 9 allows 30; 29.9 since 2026-12-03); each is a hard limit, and a script's own
 # --budget stays below it so that it finishes its table in time. runtime_vs_torch_pipelining takes the largest share:
 # its 16 cases x 2 A/B pairs took 707 s alone on a quiet machine (one torchrun start per case; 404 s on 2026-12-03
@@ -61,7 +64,7 @@ BENCHES = (
     Bench("compile_time", 190, ("--budget", "170")),
     Bench("memory", 140),
     Bench("predicted_vs_measured", 150, ("--budget", "110")),
-    Bench("runtime_vs_torch_pipelining", 630, ("--budget", "570", "--pairs", "2")),
+    Bench(RUNTIME_BENCH, 630, ("--budget", "570", "--pairs", "2")),
     Bench("capture_large", 45, ("--repeats", "2")),
     Bench("hf_startup", 130, ("--repeats", "1")),
     Bench("profile_accuracy", 25, (), (), json=False),
@@ -111,13 +114,13 @@ def stored_outcome(bench: Bench, results: Path) -> Outcome:
     )
 
 
-def run_one(bench: Bench, quick: bool, results: Path) -> Outcome:
+def run_one(bench: Bench, quick: bool, results: Path, extra: tuple[str, ...] = ()) -> Outcome:
     script = BENCH / f"{bench.name}.py"
     if not script.is_file():
         return Outcome(bench, 0.0, failure=f"not available: {script.relative_to(ROOT)} does not exist")
     json_path = results / f"{bench.name}.json"
     json_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(script), *(bench.quick_args if quick else bench.args)]
+    cmd = [sys.executable, str(script), *(bench.quick_args if quick else bench.args), *extra]
     if bench.json:
         cmd += ["--json", str(json_path)]
     started = time.time()
@@ -228,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         "--reuse", action="store_true", help="with --only: render the other benchmarks from their stored results"
     )
     parser.add_argument("--render-only", action="store_true", help="run nothing: render every stored result")
+    parser.add_argument(
+        "--keep-runs",
+        help="runtime_vs_torch_pipelining stores its cases' runs here (its --keep-runs), to be analysed again with "
+        "its --from-runs",
+    )
     args = parser.parse_args(argv)
     chosen = set(args.only.split(",")) if args.only else None
     if args.render_only:
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     for bench in BENCHES:
         if chosen is None or bench.name in chosen:
-            outcomes.append(run_one(bench, args.quick, results))
+            keep = ("--keep-runs", args.keep_runs) if args.keep_runs and bench.name == RUNTIME_BENCH else ()
+            outcomes.append(run_one(bench, args.quick, results, keep))
             outcomes[-1].load = load_average()
             save_outcome(outcomes[-1], results)
         elif args.reuse:

@@ -29,6 +29,8 @@ peak RSS of the rank process.
 
     .venv/bin/python bench/runtime_vs_torch_pipelining.py            # full
     .venv/bin/python bench/runtime_vs_torch_pipelining.py --quick    # seconds, tiny model
+    .venv/bin/python bench/runtime_vs_torch_pipelining.py --keep-runs /tmp/rt    # full, runs stored
+    .venv/bin/python bench/runtime_vs_torch_pipelining.py --from-runs /tmp/rt    # the same runs analysed again
 """
 
 from __future__ import annotations
@@ -935,6 +937,29 @@ def _measured_cluster(ranks: int, link: Link, slowdown: float = 1.0, cores: int 
     return ClusterSpec((kind,), ranks, link, link, name="measured", cores_per_node=cores)
 
 
+def case_name(cfg: Config) -> str:
+    """The folder of a case's plan (and, with `--keep-runs`, of its stored runs)."""
+    return f"{cfg.size}-{cfg.procs}-{cfg.schedule}"
+
+
+def keep_case(folder: Path, cfg: Config, plan_dir: Path, cuts: dict[str, str], runs: dict[str, Any]) -> None:
+    """Store what `stored_case` reads back: the case's configuration, its plan, torch's cuts and every side's rank
+    reports, one list per run (`launch_case`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(plan_dir, folder / "plan", dirs_exist_ok=True)
+    (folder / "case.json").write_text(json.dumps({"cfg": asdict(cfg), "cuts": cuts}))
+    (folder / "runs.json").write_text(json.dumps(runs))
+
+
+def stored_case(folder: Path) -> tuple[Path, dict[str, str], dict[str, Any]]:
+    """(plan folder, cuts, runs) of a case `keep_case` stored, with a clear error naming what is missing."""
+    for name in ("case.json", "runs.json", "plan/plan.dapple"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name}: no stored run of this case (write one with --keep-runs)")
+    cuts = json.loads((folder / "case.json").read_text())["cuts"]
+    return folder / "plan", cuts, json.loads((folder / "runs.json").read_text())
+
+
 def run_case(
     cfg: Config,
     pairs: int,
@@ -942,21 +967,31 @@ def run_case(
     deadline: float,
     ablate: bool = False,
     calibrated: tuple[float, float] = (1.0, 0.0),
+    keep: Path | None = None,
+    stored: Path | None = None,
 ) -> dict[str, Any]:
     """Pairs of runs, ours then torch's (then, with `ablate`, ours without each of `ABLATIONS`' changes), and the
     figures; `calibrated` is what `dapple calibrate` measures for the case's ranks: (busy receiver's slowdown, a
-    woken rank's wait for a core)."""
-    plan_dir = work / f"plan-{cfg.size}-{cfg.procs}-{cfg.schedule}"
-    cuts = compile_plan(cfg, plan_dir)
-    sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
-    if ablate:
-        sides["bare"] = {"plan": str(plan_with_posts(plan_dir, "none"))}
-        sides["tight"] = {"plan": str(plan_with_posts(plan_dir, "tight"))}
-        sides["fresh"] = {"plan": str(plan_dir)}
-        sides["unpinned"] = {"plan": str(plan_dir)}
-    # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the case
-    # runs fewer pairs, never none.
-    runs = launch_case(cfg, sides, pairs, deadline, work)
+    woken rank's wait for a core). `keep`: store the case's plan and runs in a folder of its own there
+    (`keep_case`); `stored`: run nothing, take them from the folder `keep` wrote (`stored_case`: the figures are
+    computed again, the simulations run again)."""
+    if stored is not None:
+        plan_dir, cuts, runs = stored_case(stored / case_name(cfg))
+        ablate = all(side in runs for side in ABLATIONS)
+    else:
+        plan_dir = work / f"plan-{case_name(cfg)}"
+        cuts = compile_plan(cfg, plan_dir)
+        sides: dict[str, dict[str, Any]] = {"ours": {"plan": str(plan_dir)}, "torch": {"cuts": cuts}}
+        if ablate:
+            sides["bare"] = {"plan": str(plan_with_posts(plan_dir, "none"))}
+            sides["tight"] = {"plan": str(plan_with_posts(plan_dir, "tight"))}
+            sides["fresh"] = {"plan": str(plan_dir)}
+            sides["unpinned"] = {"plan": str(plan_dir)}
+        # A B C D, then D C B A, ...: every side of a pair sees the same background load; past the deadline the
+        # case runs fewer pairs, never none.
+        runs = launch_case(cfg, sides, pairs, deadline, work)
+        if keep is not None:
+            keep_case(keep / case_name(cfg), cfg, plan_dir, cuts, runs)
     ours, theirs = runs["ours"], runs["torch"]
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
@@ -1041,6 +1076,26 @@ class Waiting:
     """The median over the runs of the fitted `wake_overhead`."""
     error: list[float]
     """`measured`'s standard error from the sampling of the steps (`waiting_error`)."""
+
+
+#: What `--keep-runs` stores beside the cases' folders: the cases in order, the pairs asked for and calibrate's figures.
+KEPT_BENCH = "bench.json"
+
+
+def keep_bench(folder: Path, cases: list[Config], pairs: int, slowdown: float, wakes: dict[int, float]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"cases": [asdict(cfg) for cfg in cases], "pairs": pairs, "slowdown": slowdown, "wakes": wakes}
+    (folder / KEPT_BENCH).write_text(json.dumps(meta))
+
+
+def stored_bench(folder: Path) -> tuple[list[Config], int, float, dict[int, float]]:
+    """(cases, pairs, calibrate's slowdown, calibrate's wake per rank count) as `keep_bench` stored them."""
+    path = folder / KEPT_BENCH
+    if not path.is_file():
+        raise SystemExit(f"--from-runs {folder}: no {KEPT_BENCH} there; store runs first with --keep-runs {folder}")
+    meta = json.loads(path.read_text())
+    wakes = {int(p): float(w) for p, w in meta["wakes"].items()}
+    return [Config(**cfg) for cfg in meta["cases"]], int(meta["pairs"]), float(meta["slowdown"]), wakes
 
 
 def calibrated_figures(device: str, procs: list[int]) -> tuple[float, dict[int, float]]:
@@ -1210,6 +1265,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["bench", "gpt"], choices=["bench", "gpt"], help="(full run)")
     parser.add_argument("--mlp-steps", type=int, default=90, help="steps per run on the MLP, warm-up included")
     parser.add_argument("--gpt-steps", type=int, default=8, help="steps per run on the GPT, warm-up included")
+    parser.add_argument(
+        "--keep-runs",
+        type=Path,
+        help="also store each case's plan and runs (every side's rank reports) here, a folder per case, for "
+        "--from-runs (tens of MB a case)",
+    )
+    parser.add_argument(
+        "--from-runs",
+        type=Path,
+        help="run nothing: the tables from the runs --keep-runs stored there, every figure and simulation computed "
+        "again (to try a change to the analysis or the simulator on the same runs)",
+    )
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -1237,7 +1304,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         pairs = args.pairs
         ablated = ABLATED
-    slowdown, wakes = calibrated_figures(args.device, sorted({cfg.procs for cfg in cases}))
+    if args.from_runs is not None:
+        cases, pairs, slowdown, wakes = stored_bench(args.from_runs)
+    else:
+        slowdown, wakes = calibrated_figures(args.device, sorted({cfg.procs for cfg in cases}))
+        if args.keep_runs is not None:
+            keep_bench(args.keep_runs, cases, pairs, slowdown, wakes)
     # The cases' budget starts after calibrate's runs (about 25 s), which took it from the first case's pairs.
     started = time.time()
     table = Table(
@@ -1287,8 +1359,9 @@ def main(argv: list[str] | None = None) -> int:
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
                 r = run_case(
-                    cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=(slowdown, wakes[cfg.procs])
-                )
+                    cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=(slowdown, wakes[cfg.procs]),
+                    keep=args.keep_runs, stored=args.from_runs,
+                )  # fmt: skip
             except Exception as exc:  # a missing part of the project must not sink the other rows
                 reason = unavailable(str(exc).splitlines()[0][:200])
                 table.add(
@@ -1364,6 +1437,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     run_steps = {MODEL[cfg.size]: cfg.steps for cfg in cases}
+    if args.from_runs is not None:
+        table.notes.append("computed from stored runs (`--from-runs`): nothing ran for these tables.")
     table.notes += [
         f"`dapple calibrate`'s own measurements on this machine, taken before the cases: the busy receiver's "
         f"slowdown (a 256 KiB gloo transfer into a rank that waits, and into one that computes for 20 ms first) "

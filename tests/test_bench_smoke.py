@@ -133,7 +133,8 @@ def test_predicted_vs_measured_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
-    tables = run_quick("runtime_vs_torch_pipelining", tmp_path)
+    kept = tmp_path / "kept"
+    tables = run_quick("runtime_vs_torch_pipelining", tmp_path, "--keep-runs", str(kept))
     t = only_table(tables, "Our runtime vs torch")
     assert all(x > 0 for x in numbers(t, "ours samples/s"))
     assert all(x > 0 for x in numbers(t, "torch samples/s"))
@@ -165,6 +166,23 @@ def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
     # Posting a receive early changes when it is issued, a reused buffer where it lands, and the cores a rank runs
     # on where it runs, never what arrives: the same losses.
     assert [row[ablation.columns.index("same step-0 loss")] for row in ablation.rows] == ["yes"]
+    # The stored runs analysed again, every figure and simulation computed anew, give the same tables.
+    (tmp_path / "again").mkdir()
+    again = run_quick("runtime_vs_torch_pipelining", tmp_path / "again", "--from-runs", str(kept), timeout=120)
+    assert [table.rows for table in again] == [table.rows for table in tables]
+    assert any("--from-runs" in note for note in only_table(again, "Our runtime vs torch").notes)
+
+
+def test_runtime_bench_from_runs_names_the_folder_without_stored_runs(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "runtime_vs_torch_pipelining.py"), "--from-runs", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert f"--from-runs {tmp_path}: no bench.json there" in proc.stderr
 
 
 def test_runtime_bench_fits_the_link_and_finds_the_waits() -> None:
