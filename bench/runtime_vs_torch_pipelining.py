@@ -1083,6 +1083,7 @@ KEPT_BENCH = "bench.json"
 
 
 def keep_bench(folder: Path, cases: list[Config], pairs: int, slowdown: float, wakes: dict[int, float]) -> None:
+    """Store what `stored_bench` reads back, before the cases run (each case's folder comes as it is done)."""
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"cases": [asdict(cfg) for cfg in cases], "pairs": pairs, "slowdown": slowdown, "wakes": wakes}
     (folder / KEPT_BENCH).write_text(json.dumps(meta))
@@ -1281,6 +1282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.keep_runs is not None and args.from_runs is not None:
+        parser.error("--keep-runs and --from-runs: runs are either made and stored, or read back")
     if args.rank_worker:
         rank_pairs(json.loads(args.payload), Path(args.out))
         return 0
@@ -1358,6 +1361,9 @@ def main(argv: list[str] | None = None) -> int:
         for k, cfg in enumerate(cases):
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
+                if args.from_runs is None and time.time() > started + args.budget:
+                    # Past run_all's hard limit the section would be cut off, its last rows and headlines lost.
+                    raise TimeoutError(f"the section's --budget of {args.budget:.0f} s was spent before the case began")
                 r = run_case(
                     cfg, pairs, Path(tmp), deadline, ablate=weights[k] > 2, calibrated=(slowdown, wakes[cfg.procs]),
                     keep=args.keep_runs, stored=args.from_runs,

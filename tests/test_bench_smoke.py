@@ -173,6 +173,20 @@ def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
     assert any("--from-runs" in note for note in only_table(again, "Our runtime vs torch").notes)
 
 
+def test_runtime_bench_starts_no_case_past_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case that would begin past the section's --budget is not run: its row says why, and the section still ends
+    with its tables and headlines (run_all's hard limit would otherwise cut it off mid-case)."""
+    import runtime_vs_torch_pipelining as rt
+
+    monkeypatch.setattr(rt, "calibrated_figures", lambda device, procs: (1.0, dict.fromkeys(procs, 0.0)))
+    monkeypatch.setattr(rt, "launch_case", lambda *args, **kwargs: pytest.fail("a case ran past the budget"))
+    out = tmp_path / "rt.json"
+    assert rt.main(["--quick", "--budget", "0", "--json", str(out)]) == 0
+    table = only_table(load_report(out).tables, "Our runtime vs torch")
+    assert len(table.rows) == 2
+    assert all("--budget of 0 s was spent before the case began" in str(row[4]) for row in table.rows)
+
+
 def test_runtime_bench_from_runs_names_the_folder_without_stored_runs(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "runtime_vs_torch_pipelining.py"), "--from-runs", str(tmp_path)],
