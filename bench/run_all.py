@@ -55,9 +55,10 @@ RUNTIME_BENCH = "runtime_vs_torch_pipelining"
 # once (15 s; four calibrations took it past 35 s in every run up to 2026-12-03). The runtime benchmark's MLP runs
 # are 90 steps since 2026-12-03 (30 before: the measured waiting's standard error was 1-2 points a rank, as large
 # as the 15 % it is compared at), about 120 s more; its budget leaves 60 s for the analysis after the last case
-# before the hard limit. plan_quality's cases take up to 36 s (GNMT-16 on 16 V100s: 31 s of planning, 5 of ILP) and
-# one starting just before its own 190 s runs to about 226 s: twice on 2026-12-02 a slower VM hit the old 210 s
-# hard limit mid-case, hence 240.
+# before the hard limit, and it starts no case past its budget. On 2026-12-04 a VM twice as slow needed 942 s for
+# its 2 pairs a case: within this budget most cases ran one pair (docs/runtime.md). plan_quality's cases take up to
+# 36 s (GNMT-16 on 16 V100s: 31 s of planning, 5 of ILP) and one starting just before its own 190 s runs to about
+# 226 s: twice on 2026-12-02 a slower VM hit the old 210 s hard limit mid-case, hence 240.
 BENCHES = (
     Bench("plan_quality", 240, ("--budget", "190")),
     Bench("plan_dimensions", 170, ("--budget", "140")),

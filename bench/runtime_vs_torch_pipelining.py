@@ -1361,7 +1361,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, cfg in enumerate(cases):
             deadline = started + args.budget * sum(weights[: k + 1]) / sum(weights)
             try:
-                if args.from_runs is None and time.time() > started + args.budget:
+                if args.from_runs is None and time.time() >= started + args.budget:
                     # Past run_all's hard limit the section would be cut off, its last rows and headlines lost.
                     raise TimeoutError(f"the section's --budget of {args.budget:.0f} s was spent before the case began")
                 r = run_case(
