@@ -942,22 +942,22 @@ def case_name(cfg: Config) -> str:
     return f"{cfg.size}-{cfg.procs}-{cfg.schedule}"
 
 
-def keep_case(folder: Path, cfg: Config, plan_dir: Path, cuts: dict[str, str], runs: dict[str, Any]) -> None:
-    """Store what `stored_case` reads back: the case's configuration, its plan, torch's cuts and every side's rank
-    reports, one list per run (`launch_case`)."""
+def keep_case(folder: Path, plan_dir: Path, cuts: dict[str, str], runs: dict[str, Any]) -> None:
+    """Store what `stored_case` reads back: the case's plan, torch's cuts and every side's rank reports, one list per
+    run (`launch_case`). The case's configuration is `keep_bench`'s."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copytree(plan_dir, folder / "plan", dirs_exist_ok=True)
-    (folder / "case.json").write_text(json.dumps({"cfg": asdict(cfg), "cuts": cuts}))
+    (folder / "cuts.json").write_text(json.dumps(cuts))
     (folder / "runs.json").write_text(json.dumps(runs))
 
 
 def stored_case(folder: Path) -> tuple[Path, dict[str, str], dict[str, Any]]:
     """(plan folder, cuts, runs) of a case `keep_case` stored, with a clear error naming what is missing."""
-    for name in ("case.json", "runs.json", "plan/plan.dapple"):
+    for name in ("cuts.json", "runs.json", "plan/plan.dapple"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name}: no stored run of this case (write one with --keep-runs)")
-    cuts = json.loads((folder / "case.json").read_text())["cuts"]
-    return folder / "plan", cuts, json.loads((folder / "runs.json").read_text())
+    cuts, runs = (json.loads((folder / name).read_text()) for name in ("cuts.json", "runs.json"))
+    return folder / "plan", cuts, runs
 
 
 def run_case(
@@ -991,7 +991,7 @@ def run_case(
         # case runs fewer pairs, never none.
         runs = launch_case(cfg, sides, pairs, deadline, work)
         if keep is not None:
-            keep_case(keep / case_name(cfg), cfg, plan_dir, cuts, runs)
+            keep_case(keep / case_name(cfg), plan_dir, cuts, runs)
     ours, theirs = runs["ours"], runs["torch"]
     ours_s = [step_seconds(r, cfg.warmup) for r in ours]
     theirs_s = [step_seconds(r, cfg.warmup) for r in theirs]
