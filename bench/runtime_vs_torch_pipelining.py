@@ -62,6 +62,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
+from host_noise import HostNoise, measure_host_noise  # noqa: E402
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 from dapple_ir.backends.torch.cores import pin_rank, set_cores  # noqa: E402
@@ -1082,11 +1083,42 @@ class Waiting:
 KEPT_BENCH = "bench.json"
 
 
-def keep_bench(folder: Path, cases: list[Config], pairs: int, slowdown: float, wakes: dict[int, float]) -> None:
+def keep_bench(
+    folder: Path,
+    cases: list[Config],
+    pairs: int,
+    slowdown: float,
+    wakes: dict[int, float],
+    noise: HostNoise | None = None,
+) -> None:
     """Store what `stored_bench` reads back, before the cases run (each case's folder comes as it is done)."""
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"cases": [asdict(cfg) for cfg in cases], "pairs": pairs, "slowdown": slowdown, "wakes": wakes}
+    meta = {
+        "cases": [asdict(cfg) for cfg in cases],
+        "pairs": pairs,
+        "slowdown": slowdown,
+        "wakes": wakes,
+        "noise": asdict(noise) if noise is not None else None,
+    }
     (folder / KEPT_BENCH).write_text(json.dumps(meta))
+
+
+def stored_noise(folder: Path) -> HostNoise | None:
+    """The host's noise as `keep_bench` stored it; None where it was not measured (or stored before it was)."""
+    noise = json.loads((folder / KEPT_BENCH).read_text()).get("noise")
+    return HostNoise(**noise) if noise else None
+
+
+def machine_noise(device: str, quick: bool) -> HostNoise | None:
+    """The same work timed again and again on every core at once (`host_noise`), before the cases: the floor under
+    every step this bench times (None on a GPU, whose steps it does not describe, or where it fails)."""
+    if device != "cpu":
+        return None
+    try:
+        return measure_host_noise(*((0.5, 0.01) if quick else (3.0, 0.05)))
+    except Exception as exc:  # a note says it is missing; the cases still run
+        print(f"host noise not measured: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None
 
 
 def stored_bench(folder: Path) -> tuple[list[Config], int, float, dict[int, float]]:
@@ -1309,10 +1341,12 @@ def main(argv: list[str] | None = None) -> int:
         ablated = ABLATED
     if args.from_runs is not None:
         cases, pairs, slowdown, wakes = stored_bench(args.from_runs)
+        noise = stored_noise(args.from_runs)
     else:
         slowdown, wakes = calibrated_figures(args.device, sorted({cfg.procs for cfg in cases}))
+        noise = machine_noise(args.device, args.quick)
         if args.keep_runs is not None:
-            keep_bench(args.keep_runs, cases, pairs, slowdown, wakes)
+            keep_bench(args.keep_runs, cases, pairs, slowdown, wakes, noise)
     # The cases' budget starts after calibrate's runs (about 25 s), which took it from the first case's pairs.
     started = time.time()
     table = Table(
@@ -1441,6 +1475,11 @@ def main(argv: list[str] | None = None) -> int:
             "every rank's waiting within 15 % of the prediction: "
             + ", ".join(f"{name} simulation in {sum(ok)} of {len(ok)} rows" for name, ok in within.items())
         )
+        if noise is not None:
+            report.headlines.append(
+                f"this machine's noise floor: {noise.summary()}; this run's steps varied by "
+                + (", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-")
+            )
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     run_steps = {MODEL[cfg.size]: cfg.steps for cfg in cases}
     if args.from_runs is not None:
@@ -1550,7 +1589,13 @@ def main(argv: list[str] | None = None) -> int:
         "warm-up, each resample taking the medians again (a step's period and its ranks' busy times drawn together). "
         "The steps vary from one to the next (interquartile range over median, `step_spread`) by "
         + (", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-")
-        + " in this run: where a rank waits a few % of a step that varies by more, the measurement cannot tell "
+        + " in this run; "
+        + (
+            f"the machine alone, measured before the cases (bench/host_noise.py): {noise.summary()}"
+            if noise is not None
+            else "the machine alone was not measured (bench/host_noise.py)"
+        )
+        + ". Where a rank waits a few % of a step that varies by more, the measurement cannot tell "
         "15 % of its waiting apart. 'worst gap vs simulated (standard errors)' is the gap in those units; the "
         "headline's 'within 2 standard errors' row counts a rank as within where its gap is within 15 % or within "
         "2 standard errors.",

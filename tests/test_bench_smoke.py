@@ -171,6 +171,9 @@ def test_runtime_vs_torch_pipelining_quick(tmp_path: Path) -> None:
     again = run_quick("runtime_vs_torch_pipelining", tmp_path / "again", "--from-runs", str(kept), timeout=120)
     assert [table.rows for table in again] == [table.rows for table in tables]
     assert any("--from-runs" in note for note in only_table(again, "Our runtime vs torch").notes)
+    # The machine's own noise, measured before the cases, is quoted beside the steps' and stored with the runs.
+    for measured in (t, only_table(again, "Our runtime vs torch")):
+        assert any("the machine alone, measured before the cases" in note for note in measured.notes)
 
 
 def test_runtime_bench_starts_no_case_past_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -599,3 +602,37 @@ def test_device_check_dry_run_on_cpu_passes_every_step() -> None:
     assert "PASS" in rows[0]
     # Every memory row's measured peak is the IR's prediction (+0 % on every rank).
     assert all(row.count("(+0%)") == 2 for row in rows if row.startswith("memory")), proc.stdout
+
+
+def test_host_noise_figures_against_closed_forms() -> None:
+    """`host_noise.noise_of` on made-up timings whose spread, autocorrelation and correlation are known."""
+    from host_noise import noise_of
+
+    n = 40
+    # Pieces start every 2 s on every core, whatever they take: matched in time bins one piece wide, one a bin.
+    steady = [(2.0 * i, 1.0) for i in range(n)]
+    alternating = [(2.0 * i, 1.0 if i % 2 == 0 else 3.0) for i in range(n)]
+    opposite = [(2.0 * i, 3.0 if i % 2 == 0 else 1.0) for i in range(n)]
+    noise = noise_of({0: steady, 1: alternating})
+    assert noise.pieces == [n, n]
+    assert noise.spread[0] == 0.0
+    # Half the pieces take 1, half 3: statistics.quantiles' quartiles are 1 and 3, the median 2.
+    assert noise.spread[1] == pytest.approx((3 - 1) / 2)
+    # An alternating series: every neighbour on the other side of the mean, lag-1 autocorrelation -(n-1)/n.
+    assert noise.autocorrelation[1] == pytest.approx(-(n - 1) / n)
+    assert noise.autocorrelation[0] == 0.0  # no variance, nothing to correlate
+    assert noise_of({0: alternating, 1: alternating}).cross_correlation == pytest.approx(1.0)
+    assert noise_of({0: alternating, 1: opposite}).cross_correlation == pytest.approx(-1.0)
+    assert math.isnan(noise_of({0: alternating}).cross_correlation)
+
+
+@pytest.mark.slow
+def test_host_noise_times_every_core_at_once() -> None:
+    from host_noise import MAX_CORES, measure_host_noise
+
+    noise = measure_host_noise(seconds=0.3, chunk_s=0.005)
+    cores = min(len(os.sched_getaffinity(0)), MAX_CORES)
+    assert len(noise.spread) == len(noise.pieces) == cores
+    assert all(p >= 3 for p in noise.pieces), noise.pieces
+    assert all(0 <= s < 10 for s in noise.spread) and 0 < noise.chunk_s < 1
+    assert "ms of work" in noise.summary()
