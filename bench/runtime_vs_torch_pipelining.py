@@ -1465,6 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.json:
                 report.save(args.json)  # what is done so far survives a hard stop at run_all's limit
+    varied = ", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-"
     if ratios:
         report.headlines.append(f"median speed-up {median(ratios):.2f}x, lowest {min(ratios):.2f}x")
         report.headlines.append(
@@ -1476,10 +1477,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{name} simulation in {sum(ok)} of {len(ok)} rows" for name, ok in within.items())
         )
         if noise is not None:
-            report.headlines.append(
-                f"this machine's noise floor: {noise.summary()}; this run's steps varied by "
-                + (", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-")
-            )
+            report.headlines.append(f"this machine's noise floor: {noise.summary()}; this run's steps: {varied}")
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     run_steps = {MODEL[cfg.size]: cfg.steps for cfg in cases}
     if args.from_runs is not None:
@@ -1587,9 +1585,8 @@ def main(argv: list[str] | None = None) -> int:
         "ours waiting's standard error: what the measurement itself resolves (`waiting_error`): the standard "
         f"deviation of the measured waiting over {BOOTSTRAP_DRAWS} bootstrap resamples of the runs' steps after "
         "warm-up, each resample taking the medians again (a step's period and its ranks' busy times drawn together). "
-        "The steps vary from one to the next (interquartile range over median, `step_spread`) by "
-        + (", ".join(f"{100 * min(v):.1f}-{100 * max(v):.1f} % on the {m}" for m, v in spreads.items()) or "-")
-        + " in this run; "
+        f"The steps vary from one to the next (interquartile range over median, `step_spread`) by {varied} in this "
+        "run; "
         + (
             f"the machine alone, measured before the cases (bench/host_noise.py): {noise.summary()}"
             if noise is not None
