@@ -102,8 +102,10 @@ def _worker(core: int, chunk_s: float, seconds: float, ready: Any, out: Any) -> 
         out.put((core, f"{type(exc).__name__}: {exc}"))
 
 
-def _spread(values: list[float]) -> float:
-    if len(values) < 4:
+def spread(values: list[float]) -> float:
+    """The interquartile range of `values` over their median (0 with fewer than 2): how much the same thing's times
+    vary from one to the next, robust to a few stalls."""
+    if len(values) < 2:
         return 0.0
     q = statistics.quantiles(values, n=4)
     return (q[2] - q[0]) / q[1]
@@ -116,14 +118,6 @@ def _autocorrelation(values: list[float]) -> float:
     den = sum((v - mean) ** 2 for v in values)
     num = sum((values[i] - mean) * (values[i + 1] - mean) for i in range(len(values) - 1))
     return num / den if den > 0 else 0.0
-
-
-def _correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
-    if va <= 0 or vb <= 0:
-        return 0.0
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True)) / (va * vb) ** 0.5
 
 
 def _binned(timed: list[tuple[float, float]], origin: float, width: float) -> dict[int, float]:
@@ -145,10 +139,13 @@ def noise_of(timed: dict[int, list[tuple[float, float]]]) -> HostNoise:
         for b in cores[i + 1 :]:
             shared = sorted(set(bins[a]) & set(bins[b]))
             if len(shared) >= 3:
-                pairs.append(_correlation([bins[a][k] for k in shared], [bins[b][k] for k in shared]))
+                xs, ys = [bins[a][k] for k in shared], [bins[b][k] for k in shared]
+                # A core that never varied correlates with nothing (statistics.correlation refuses it).
+                steady = len(set(xs)) < 2 or len(set(ys)) < 2
+                pairs.append(0.0 if steady else statistics.correlation(xs, ys))
     return HostNoise(
         chunk,
-        [_spread(times[c]) for c in cores],
+        [spread(times[c]) for c in cores],
         [_autocorrelation(times[c]) for c in cores],
         statistics.fmean(pairs) if pairs else float("nan"),
         [len(times[c]) for c in cores],

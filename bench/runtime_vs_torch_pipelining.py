@@ -62,7 +62,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from host_noise import HostNoise, measure_host_noise  # noqa: E402
+from host_noise import HostNoise, measure_host_noise, spread  # noqa: E402
 from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_figure, unavailable  # noqa: E402
 
 from dapple_ir.backends.torch.cores import pin_rank, set_cores  # noqa: E402
@@ -437,12 +437,8 @@ def step_periods(reports: list[dict[str, Any]], warmup: int) -> list[float]:
 
 def step_spread(reports: list[dict[str, Any]], warmup: int) -> float:
     """How much a run's steps vary from one to the next: the interquartile range of `step_periods` over their
-    median (0 with fewer than 2 steps)."""
-    periods = step_periods(reports, warmup)
-    if len(periods) < 2:
-        return 0.0
-    quartiles = statistics.quantiles(periods, n=4)
-    return (quartiles[2] - quartiles[0]) / quartiles[1]
+    median (`host_noise.spread`, the figure the machine's own noise is given in; 0 with fewer than 2 steps)."""
+    return spread(step_periods(reports, warmup))
 
 
 def step_seconds(reports: list[dict[str, Any]], warmup: int) -> float:
@@ -1103,12 +1099,6 @@ def keep_bench(
     (folder / KEPT_BENCH).write_text(json.dumps(meta))
 
 
-def stored_noise(folder: Path) -> HostNoise | None:
-    """The host's noise as `keep_bench` stored it; None where it was not measured (or stored before it was)."""
-    noise = json.loads((folder / KEPT_BENCH).read_text()).get("noise")
-    return HostNoise(**noise) if noise else None
-
-
 def machine_noise(device: str, quick: bool) -> HostNoise | None:
     """The same work timed again and again on every core at once (`host_noise`), before the cases: the floor under
     every step this bench times (None on a GPU, whose steps it does not describe, or where it fails)."""
@@ -1121,14 +1111,16 @@ def machine_noise(device: str, quick: bool) -> HostNoise | None:
         return None
 
 
-def stored_bench(folder: Path) -> tuple[list[Config], int, float, dict[int, float]]:
-    """(cases, pairs, calibrate's slowdown, calibrate's wake per rank count) as `keep_bench` stored them."""
+def stored_bench(folder: Path) -> tuple[list[Config], int, float, dict[int, float], HostNoise | None]:
+    """(cases, pairs, calibrate's slowdown, calibrate's wake per rank count, the machine's noise) as `keep_bench`
+    stored them; the noise is None where it was not measured (or the runs were stored before it was)."""
     path = folder / KEPT_BENCH
     if not path.is_file():
         raise SystemExit(f"--from-runs {folder}: no {KEPT_BENCH} there; store runs first with --keep-runs {folder}")
     meta = json.loads(path.read_text())
     wakes = {int(p): float(w) for p, w in meta["wakes"].items()}
-    return [Config(**cfg) for cfg in meta["cases"]], int(meta["pairs"]), float(meta["slowdown"]), wakes
+    noise = HostNoise(**meta["noise"]) if meta.get("noise") else None
+    return [Config(**cfg) for cfg in meta["cases"]], int(meta["pairs"]), float(meta["slowdown"]), wakes, noise
 
 
 def calibrated_figures(device: str, procs: list[int]) -> tuple[float, dict[int, float]]:
@@ -1340,8 +1332,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs = args.pairs
         ablated = ABLATED
     if args.from_runs is not None:
-        cases, pairs, slowdown, wakes = stored_bench(args.from_runs)
-        noise = stored_noise(args.from_runs)
+        cases, pairs, slowdown, wakes, noise = stored_bench(args.from_runs)
     else:
         slowdown, wakes = calibrated_figures(args.device, sorted({cfg.procs for cfg in cases}))
         noise = machine_noise(args.device, args.quick)
