@@ -15,7 +15,9 @@ links each transfer crosses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 
 from dapple_ir.errors import ClusterError
 from dapple_ir.units import GB
@@ -239,6 +241,10 @@ DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {kind: (m.intra, m.inter) for kind
 DEFAULT_EFFICIENCY: dict[str, float] = {"matmul": 0.6, "conv": 0.5, "attention": 0.5, "elementwise": 0.8}
 
 
+#: The numbers of a device kind besides its peak FLOP/s (`ClusterSpec.figures`).
+_KIND_FIGURES = tuple(f.name for f in fields(DeviceKind) if f.name not in ("name", "peak_flops"))
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """Nodes × devices, each node with one device kind, and the network that joins them.
@@ -281,6 +287,12 @@ class ClusterSpec:
             raise ClusterError(f"{where}: cores_per_node is {self.cores_per_node}; 0 (a core per device) or more")
         if self.fabric not in FABRICS:
             raise ClusterError(f"{where}: fabric '{self.fabric}' is not one of {', '.join(FABRICS)}")
+        for figure, value in self.figures():
+            # inf is a figure of the ideal cluster (free links, unbounded memory); nan prices nothing.
+            if math.isnan(value) or value < 0:
+                raise ClusterError(
+                    f"{where}: {figure} is {value!r}; every figure of a cluster is a number, not negative"
+                )
         if not 0 <= self.cards <= per:
             raise ClusterError(f"{where}: {self.cards} network cards for {per} devices per node (0 to {per})")
         if self.card_devices:
@@ -292,6 +304,19 @@ class ClusterSpec:
                 )
             if not all(self.card_devices):
                 raise ClusterError(f"{where}: every network card needs at least one device behind it")
+
+    def figures(self) -> Iterator[tuple[str, float]]:
+        """Every number of the spec that prices something, named as a cluster file names its field."""
+        for kind in {k.name: k for k in self.node_kinds}.values():
+            for name in _KIND_FIGURES:
+                yield f"device_kinds.{kind.name}.{name}", getattr(kind, name)
+            for dtype, flops in kind.peak_flops.items():
+                yield f"device_kinds.{kind.name}.peak_flops.{dtype}", flops
+        for table, link in (("fabric", self.intra), ("network", self.inter)):
+            yield f"{table}.bandwidth", link.bandwidth
+            yield f"{table}.latency", link.latency
+        for op_class, fraction in self.efficiency.items():
+            yield f"efficiency.{op_class}", fraction
 
     def efficiency_of(self, op_class: str | None) -> float:
         """Fraction of peak (FLOP/s and bandwidth) that ops of `op_class` reach on this cluster."""

@@ -46,6 +46,7 @@ silently fall back to a default); every error names the file, the line and the f
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,8 @@ class _Reader:
             raise self.error(field, f"must be {kind}, not {value!r}")
         if integer and not isinstance(value, int):
             raise self.error(field, f"must be {kind}, not {value!r}")
+        if not math.isfinite(value):
+            raise self.error(field, f"must be {kind}, not {value!r}: every figure of a cluster is finite")
         if value < 0 or (value == 0 and not allow_zero):
             raise self.error(field, f"must be {kind}, not {value!r}")
         if value > _MAX_NUMBER:
@@ -171,11 +174,22 @@ def load_cluster_toml(path: str) -> ClusterSpec:
     file = Path(path)
     if not file.is_file():
         raise ClusterError(f"cluster file {path} does not exist")
-    text = file.read_text()
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ClusterError(
+            f"cluster file {path} is not text: byte {exc.start} ({exc.object[exc.start]:#04x}) is not UTF-8, which "
+            "TOML requires; is it the file you meant?"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ClusterError(f"cluster file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ClusterError(
+            f"cluster file {path} nests arrays or tables too deeply to read; a cluster file needs at most three "
+            "levels ([device_kinds.NAME] with peak_flops, network.card_devices)"
+        ) from None
     return cluster_from_dict(data, str(path), text)
 
 

@@ -96,6 +96,9 @@ class LinkSharing:
         done = []
         while ends and ends[0][0] <= first * (1 + _SAME_END):
             done.append(heapq.heappop(ends)[1])
+        if not done:
+            # Every end event must end a flow, or the event loop reschedules this bundle forever.
+            raise RuntimeError(_stalled(index, f"its first flow's end, clock {first!r}, was not reached at {now!r} s"))
         flows_on, bundles_on = self._flows_on, self._bundles_on
         alone = True
         for k in bundle.links:
@@ -140,4 +143,15 @@ class LinkSharing:
         bundle.clock += bundle.rate * (now - bundle.since)
         bundle.since, bundle.rate = now, rate
         bundle.version += 1
-        return index, now + max(0.0, bundle.ends[0][0] - bundle.clock) / rate, bundle.version
+        end = now + max(0.0, bundle.ends[0][0] - bundle.clock) / rate
+        if not end >= now:  # nan compares false: the loop could never pass such an event
+            raise RuntimeError(_stalled(index, f"its next end, {end!r} s, is not a time at or after {now!r} s"))
+        return index, end, bundle.version
+
+
+def _stalled(index: int, why: str) -> str:
+    return (
+        f"internal error: link sharing cannot advance bundle {index}: {why}. A time, byte count or bandwidth that "
+        "is not a finite number reached the simulator; the inputs should have been refused with their file and "
+        "field before, so this is a bug in dapple-ir"
+    )

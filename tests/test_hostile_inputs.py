@@ -1,0 +1,115 @@
+"""Input files a hostile or unlucky user hands us (issue 47, items 6-9): each gets one located paragraph
+that names the file and the field (or line), never an internal error, never a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+from dapple_ir.cluster.spec import parse_shorthand
+from dapple_ir.cluster.toml_file import load_cluster_toml
+from dapple_ir.errors import ClusterError
+from dapple_ir.sim.link_sharing import LinkSharing
+from tests.paths import PROFILES
+
+VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
+_KIND = 'nodes = 1\ndevices_per_node = 4\ndevice = "k"\n[device_kinds.k]\nbase = "V100-16GB"\n'
+
+
+def _cluster(tmp_path: Path, text: str | bytes) -> str:
+    path = tmp_path / "cluster.toml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ cluster files (items 6, 7, 9)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("wake_overhead = nan", "device_kinds.k.wake_overhead"),
+        ("op_overhead = nan", "device_kinds.k.op_overhead"),
+        ("memory_bytes = nan", "device_kinds.k.memory_bytes"),
+        ("peak_flops = { f32 = nan }", "device_kinds.k.peak_flops.f32"),
+        ("mem_bandwidth = nan", "device_kinds.k.mem_bandwidth"),
+        ("reduce_per_byte = -nan", "device_kinds.k.reduce_per_byte"),
+        ("busy_receive_slowdown = nan", "device_kinds.k.busy_receive_slowdown"),
+        ("[fabric]\nbandwidth = nan", "fabric.bandwidth"),
+        ("[fabric]\nlatency = nan", "fabric.latency"),
+        ("[network]\nlatency = nan", "network.latency"),
+        ("[efficiency]\nmatmul = nan", "efficiency.matmul"),
+    ],
+)
+def test_a_nan_in_a_cluster_file_names_its_field(tmp_path: Path, line: str, field: str) -> None:
+    with pytest.raises(ClusterError) as info:
+        load_cluster_toml(_cluster(tmp_path, _KIND + line + "\n"))
+    message = str(info.value)
+    assert f"field '{field}'" in message and "cluster.toml" in message and "nan" in message
+    assert "\n" not in message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field", ["wake_overhead", "op_overhead"])
+def test_compile_with_a_nan_cluster_field_blames_the_field_not_the_ir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """Before: `wake_overhead = nan` hung the simulator; `op_overhead = nan` was blamed on the IR (`fwd_s = nan`)."""
+    cluster = _cluster(tmp_path, _KIND + f"{field} = nan\n")
+    code = main(
+        ["compile", f"profile:{VGG19}", "--cluster", cluster, "--global-batch", "64", "-o", str(tmp_path / "p")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"field 'device_kinds.k.{field}'" in err and "fwd_s" not in err
+
+
+def test_a_nan_figure_is_refused_however_the_spec_is_built() -> None:
+    spec = parse_shorthand("2x4xcpu")
+    kind = spec.node_kinds[0]
+    with pytest.raises(ClusterError, match=r"device_kinds\.cpu\.peak_flops\.f32 is nan"):
+        broken = dataclasses.replace(kind, peak_flops={"f32": math.nan})
+        dataclasses.replace(spec, node_kinds=(broken, broken))
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (bytes(range(256)) * 8, "is not text: byte 128 (0x80) is not UTF-8"),
+        ("a = " + "[" * 100_000 + "]" * 100_000 + "\n", "nests arrays or tables too deeply"),
+        ("a = " + "{b = " * 100_000 + "}" * 100_000 + "\n", "nests arrays or tables too deeply"),
+    ],
+    ids=["binary", "deep-array", "deep-table"],
+)
+def test_a_binary_or_deeply_nested_cluster_file_is_located(tmp_path: Path, text: str | bytes, needle: str) -> None:
+    with pytest.raises(ClusterError, match=r"cluster file .*cluster\.toml") as info:
+        load_cluster_toml(_cluster(tmp_path, text))
+    assert needle in str(info.value)
+
+
+# ------------------------------------------------------------------------------ the simulator never loops (item 6)
+
+
+@pytest.mark.timeout(10)
+def test_link_sharing_refuses_a_flow_it_cannot_end() -> None:
+    """Before: the flow's end event was rescheduled forever (the loop of `_reschedule` the issue found)."""
+    sharing = LinkSharing([1e9])
+    _, moved = sharing.start(0.0, (0,), math.nan)
+    ((bundle, end, version),) = moved
+    assert sharing.is_current(bundle, version)
+    with pytest.raises(RuntimeError, match="internal error: link sharing cannot advance bundle 0"):
+        sharing.finish(end, bundle)
+
+
+@pytest.mark.timeout(10)
+def test_link_sharing_refuses_a_time_that_is_not_one() -> None:
+    sharing = LinkSharing([1e9])
+    with pytest.raises(RuntimeError, match=r"its next end, nan s, is not a time"):
+        sharing.start(math.nan, (0,), 1e6)
