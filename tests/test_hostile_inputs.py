@@ -12,7 +12,8 @@ import pytest
 from dapple_ir.cli import main
 from dapple_ir.cluster.spec import parse_shorthand
 from dapple_ir.cluster.toml_file import load_cluster_toml
-from dapple_ir.errors import ClusterError
+from dapple_ir.errors import CaptureError, ClusterError
+from dapple_ir.frontend.profile_import import import_profile
 from dapple_ir.sim.link_sharing import LinkSharing
 from tests.paths import PROFILES
 
@@ -113,3 +114,39 @@ def test_link_sharing_refuses_a_time_that_is_not_one() -> None:
     sharing = LinkSharing([1e9])
     with pytest.raises(RuntimeError, match=r"its next end, nan s, is not a time"):
         sharing.start(math.nan, (0,), 1e6)
+
+
+# ------------------------------------------------------------------------------ profiles (item 7)
+
+
+def _node_line(forward: str = "1.0", activation: str = "1000.0") -> str:
+    return (
+        f"node1 -- L1 -- forward_compute_time={forward}, backward_compute_time=2.0, activation_size={activation}, "
+        "parameter_size=10.0\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (_node_line(forward="1e308"), "graph.txt:1:16: forward_compute_time=1e308 is not a finite number of ms"),
+        (_node_line(forward="nan"), "graph.txt:1:16: forward_compute_time=nan is not a finite number"),
+        (_node_line(forward="inf"), "forward_compute_time=inf is not a finite number"),
+        (_node_line(activation="[1e308; 1e308]"), "activation_size=[1e308; 1e308] is not a finite number of bytes"),
+        (_node_line(activation="2e15"), "activation_size=2e15 is not a finite number of bytes up to 1e+15"),
+    ],
+)
+def test_a_profile_figure_beyond_any_layer_is_located(tmp_path: Path, text: str, needle: str) -> None:
+    """Before: 1e308 reached OR-Tools (TypeError in the planner); nan and inf reached the verifier as IR errors."""
+    path = tmp_path / "graph.txt"
+    path.write_text(text)
+    with pytest.raises(CaptureError) as info:
+        import_profile(str(path))
+    assert needle.replace(" of ms", " of milliseconds") in str(info.value)
+
+
+def test_a_binary_profile_is_located(tmp_path: Path) -> None:
+    path = tmp_path / "graph.txt"
+    path.write_bytes(b"node1 -- L1\n\xff\xfe\x00garbage")
+    with pytest.raises(CaptureError, match=r"graph\.txt:2: profile is not text \(byte 12, 0xff, is not UTF-8\)"):
+        import_profile(str(path))

@@ -43,6 +43,9 @@ _METRICS = ("forward_compute_time", "backward_compute_time", "activation_size", 
 _PBS = re.compile(r"pbs-(\d+)")
 _NODE_NUMBER = re.compile(r"node(\d+)\Z")
 _EDGE = re.compile(r"\s*(\S+)\s+--\s+(\S+)\s*\Z")
+#: (bound, unit) of a metric, by whether it is a time: 1e9 ms is 11.6 days for one layer's minibatch, 1e15 bytes a
+#: petabyte; the planner's integer models stay within 64 bits well beyond both.
+_BOUNDS = {True: (1e9, "milliseconds"), False: (1e15, "bytes")}
 
 
 @dataclass
@@ -112,7 +115,7 @@ def _parse(file: Path) -> dict[str, _Node]:
     nodes: dict[str, _Node] = {}
     edges: list[tuple[str, str, int, int]] = []
     # utf-8-sig drops a byte-order mark; splitlines takes \n, \r\n and \r alike.
-    for number, raw in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), start=1):
+    for number, raw in enumerate(_text(file).splitlines(), start=1):
         if not raw.strip():
             continue
         edge = _EDGE.match(raw)
@@ -135,6 +138,18 @@ def _parse(file: Path) -> dict[str, _Node]:
     if not nodes:
         raise CaptureError(f"profile {file} holds no nodes")
     return nodes
+
+
+def _text(file: Path) -> str:
+    data = file.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise CaptureError(
+            f"{file}:{line}: profile is not text (byte {exc.start}, {data[exc.start]:#04x}, is not UTF-8); a profile "
+            "is PipeDream's or DAPPLE's graph.txt"
+        ) from None
 
 
 def _column(raw: str, start: int = 0) -> int:
@@ -179,7 +194,13 @@ def _number(where: str, key: str, text: str) -> float:
         raise CaptureError(f"{where}: {key}={text} is not a number or a list [a; b] of numbers") from None
     if any(v < 0 for v in values):
         raise CaptureError(f"{where}: {key}={text} is negative")
-    return sum(values)
+    total, bound, unit = sum(values), *_BOUNDS[key.endswith("_time")]
+    if not total <= bound:  # nan compares false
+        raise CaptureError(
+            f"{where}: {key}={text} is not a finite number of {unit} up to {bound:g}, beyond any layer a profile "
+            "measures; was the file damaged?"
+        )
+    return total
 
 
 def _order_key(name: str, line: int) -> tuple[int, int]:
