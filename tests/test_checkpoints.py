@@ -18,6 +18,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -371,3 +373,126 @@ def test_worker_flags_carry_every_option_to_the_torchrun_workers(tmp_path: Path)
     for each in (options, switched):
         args = worker_parser().parse_args(["plan", *worker_flags(each)])
         assert options_from_args(args, args.optimizer, args.lr, Path(args.run_dir)) == each
+
+
+# ------------------------------------------------------------------------------ a save of the committed step (issue 47)
+
+_DIGEST = "d" * 64
+#: Run as `python -c` with the checkpoint directory: rank 0 saves step 2 again, then is killed with SIGKILL at the
+#: barrier, as it is when rank 1 dies while it starts to write (the run ends there, nothing commits).
+_RESAVE_THEN_KILL = f"""
+import os, signal, sys
+from pathlib import Path
+import torch
+from dapple_ir.backends.torch import checkpoint
+state = {{"step": 2, "stages": {{"s0": {{"w": torch.full((4,), 7.0)}}}}, "optimizer": {{}}}}
+checkpoint.save(state, Path(sys.argv[1]), rank=0, world_size=2, plan_digest="{_DIGEST}",
+                barrier=lambda: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def _commit_step_2(directory: Path, value: float) -> None:
+    for rank in (1, 0):  # rank 0 last: it commits
+        state = {"step": 2, "stages": {"s0": {"w": torch.full((4,), value)}}, "optimizer": {}}
+        checkpoint.save(state, directory, rank=rank, world_size=2, plan_digest=_DIGEST, barrier=lambda: None)
+
+
+def test_a_kill_while_saving_the_committed_step_again_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """Before: the re-save overwrote step_00000002/rank_0.pt in place, and `--resume` refused the only checkpoint
+    (`rank_0.pt does not hash to the SHA-256 in the manifest`)."""
+    ckpt = tmp_path / "ckpt"
+    _commit_step_2(ckpt, 1.0)
+    committed = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    killed = subprocess.run([sys.executable, "-c", _RESAVE_THEN_KILL, str(ckpt)], capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    for name, data in committed.items():
+        assert (ckpt / name).read_bytes() == data, f"{name} changed before a new manifest committed"
+    assert (ckpt / "step_00000002.resaved" / "rank_0.pt").is_file()  # it did write, beside the committed files
+    checkpoint.verify(ckpt, _DIGEST, 2)
+    assert torch.equal(checkpoint.load(ckpt, 0, _DIGEST)["stages"]["s0"]["w"], torch.ones(4))
+
+
+def test_saving_the_committed_step_again_alternates_folders(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    for value, folder in ((1.0, "step_00000002"), (2.0, "step_00000002.resaved"), (3.0, "step_00000002")):
+        _commit_step_2(ckpt, value)
+        assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", folder]
+        assert torch.equal(checkpoint.load(ckpt, 1, _DIGEST)["stages"]["s0"]["w"], torch.full((4,), value))
+
+
+def test_rerunning_the_same_save_then_resuming_equals_the_uninterrupted_run(
+    plan: Path, whole: RunResult, saved: Path
+) -> None:
+    again = run(plan, steps=2, save=saved, **OPTIONS)
+    assert again.losses == whole.losses[:2]
+    assert _manifest(saved)["ranks"][0]["file"] == "step_00000002.resaved/rank_0.pt"
+    resumed = run(plan, steps=3, resume=saved, **OPTIONS)
+    assert resumed.losses == whole.losses[2:]
+    _same_params(resumed, whole)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda t: t.replace('"step": 2', '"step": 1e999'),
+            "field step must be a whole number from 0 to 2**63 - 1, not inf",
+        ),
+        (lambda t: t.replace('"step": 2', '"step": 2.5'), "field step must be a whole number"),
+        (lambda t: t.replace('"size": ', '"size": -'), "field ranks[0].size must be a whole number"),
+        (lambda t: t.replace('"world_size": 2', '"world_size": true'), "field world_size must be a whole number"),
+        (lambda t: "[" * 100_000 + "]" * 100_000, "nests too deeply to be a manifest"),
+        (lambda t: '{"format": 1, "ranks": 3}', "field ranks must be a list of objects"),
+        (lambda t: "\xff\xfe", "is not JSON"),
+        (lambda t: "7", "holds a JSON int, not an object"),
+    ],
+    ids=["step-1e999", "step-2.5", "negative-size", "bool", "deep", "ranks-int", "binary", "number"],
+)
+def test_a_damaged_manifest_is_located(tmp_path: Path, edit: Any, needle: str) -> None:
+    """Before: `"step": 1e999` gave OverflowError and 100k-deep JSON a RecursionError, both internal errors."""
+    ckpt = tmp_path / "ckpt"
+    _commit_step_2(ckpt, 1.0)
+    path = ckpt / checkpoint.MANIFEST
+    path.write_text(edit(path.read_text()), encoding="latin-1")
+    with pytest.raises(DappleError) as info:
+        checkpoint.verify(ckpt, _DIGEST, 2)
+    message = str(info.value)
+    assert needle in message and str(path) in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("stages", "needle"),
+    [
+        (None, "holds stages NoneType, but this rank runs ['s0']"),
+        ({"s9": {"w": torch.zeros(4)}}, "holds stages ['s9'], but this rank runs ['s0']"),
+        ({"s0": {"w": torch.zeros(3)}}, "holds (3,) torch.float32 for s0/w, where this rank's stage has a (4,)"),
+        ({"s0": {}}, "holds None for s0/w"),
+        ({"s0": {"w": torch.zeros(4), "b": torch.zeros(1)}}, "holds s0/b, which this rank's stage lacks"),
+    ],
+    ids=["no-stages", "other-stage", "other-shape", "missing-tensor", "extra-tensor"],
+)
+def test_a_forged_rank_file_of_another_structure_is_named(tmp_path: Path, stages: Any, needle: str) -> None:
+    """A rank file of the right step, rank and plan digest, manifest and hash matching, but other tensors. Before:
+    `KeyError: 'stages'` or torch's state-dict error from inside the runtime."""
+    ckpt = tmp_path / "ckpt"
+    for rank in (1, 0):
+        state = {"step": 2, "stages": stages, "optimizer": {}}
+        checkpoint.save(state, ckpt, rank=rank, world_size=2, plan_digest=_DIGEST, barrier=lambda: None)
+    expected = {"stages": {"s0": {"w": torch.ones(4)}}, "optimizer": {}}
+    with pytest.raises(DappleError) as info:
+        checkpoint.load(ckpt, 0, _DIGEST, expected=expected)
+    assert needle in str(info.value) and "rank_0.pt" in str(info.value)
+
+
+def test_a_forged_rank_file_is_named_when_a_run_resumes(plan: Path, saved: Path) -> None:
+    """The runtime path of the case above: the rank loading it stops the run with the file named."""
+    target = _rank_file(saved, 1)
+    forged = torch.load(target, weights_only=True)
+    forged["stages"] = {name: {} for name in forged["stages"]}
+    torch.save(forged, target)
+    manifest = _manifest(saved)
+    data = target.read_bytes()
+    manifest["ranks"][1] |= {"sha256": checkpoint.hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (saved / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DappleError, match=r"rank_1\.pt holds None for s\d+/.*: it was saved by another plan or forged"):
+        run(plan, steps=1, resume=saved, **OPTIONS)

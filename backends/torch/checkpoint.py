@@ -6,13 +6,16 @@
     DIR/step_00000004/rank_<r>.json  what the rank wrote (file, sha256, size, step); rank 0 gathers these
 
 Every file is written to a temporary name in its own directory, fsynced and renamed, so a reader
-sees a whole file or none. A save writes a new step directory; all ranks meet at a barrier; then
-rank 0 writes the manifest (temporary name, fsync, rename, fsync of DIR) and removes older step
-directories. Until that rename the previous manifest and its step directory stay as they were, so
-a crash or a full disk mid-save loses the steps since the last complete checkpoint and nothing
-more. Resuming checks the manifest against the plan, the world size and every file's size and
-hash before any rank trains (`verify`), and each rank checks its file again while loading it
-(`load`), with `torch.load(weights_only=True)`: a checkpoint holds tensors and plain data only.
+sees a whole file or none. A save writes a step directory the manifest does not name (a save of the
+step the manifest already commits, a rerun or a resume saved at once, writes `step_<k>.resaved`, and
+the next one `step_<k>` again); all ranks meet at a barrier; then rank 0 writes the manifest
+(temporary name, fsync, rename, fsync of DIR) and removes the other step directories. Until that
+rename the previous manifest and its step directory stay as they were, byte for byte, so a crash,
+a kill or a full disk mid-save loses the steps since the last complete checkpoint and nothing more.
+Resuming checks the manifest against the plan, the world size and every file's size and hash before
+any rank trains (`verify`), and each rank checks its file again while loading it (`load`), with
+`torch.load(weights_only=True)`: a checkpoint holds tensors and plain data only, and the tensors
+its stages have (names, shapes, dtypes).
 For a multi-node run DIR must be a directory every node sees (rank 0 reads every rank's record).
 """
 
@@ -44,12 +47,19 @@ FORMAT = 1
 """Version of the manifest's layout."""
 #: The mode of a file created under this process's umask, read once at import (before rank threads start).
 _FILE_MODE = 0o666 & ~current_umask()
-_STEP_DIR = re.compile(r"step_[0-9]{8}")
+_STEP_DIR = re.compile(r"step_[0-9]{8,}(\.resaved)?")
+#: The suffix of the second folder of a step: a save of the step the manifest commits writes there (`fresh_folder`).
+_RESAVED = ".resaved"
 _RANK_FILE = re.compile(r"rank_([0-9]+)\.pt")
 
 
 def step_dir(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_folders(step: int) -> tuple[str, str]:
+    """The two folders a step's files may be in: a save writes whichever the committed manifest does not name."""
+    return step_dir(step), step_dir(step) + _RESAVED
 
 
 def rank_file(rank: int) -> str:
@@ -66,6 +76,11 @@ class Manifest:
     plan_digest: str
     files: dict[int, tuple[str, str, int]]
     """rank -> (file relative to the checkpoint directory, sha256, size in bytes)."""
+
+    @property
+    def folder(self) -> str:
+        """The step folder the files are in (that of the lowest rank; `_checked_path` holds every rank to it)."""
+        return Path(self.files[min(self.files)][0]).parent.name if self.files else step_dir(self.step)
 
 
 # ------------------------------------------------------------------------------ before training
@@ -98,16 +113,54 @@ def read_manifest(directory: Path) -> Manifest:
             "finish, or not a checkpoint directory written by `dapple run --save`)"
         )
     try:
-        data = json.loads(path.read_text())
-        files = {int(e["rank"]): (str(e["file"]), str(e["sha256"]), int(e["size"])) for e in data["ranks"]}
-        manifest = Manifest(directory, int(data["step"]), int(data["world_size"]), str(data["plan_digest"]), files)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DappleError(f"checkpoint manifest {path} is not JSON ({exc}); was it edited?") from None
+    except RecursionError:
+        raise DappleError(f"checkpoint manifest {path} nests too deeply to be a manifest; was it edited?") from None
+    if not isinstance(data, dict):
         raise DappleError(
-            f"checkpoint manifest {path} is malformed ({type(exc).__name__}: {exc}); was it edited?"
-        ) from None
+            f"checkpoint manifest {path} holds a JSON {type(data).__name__}, not an object; was it edited?"
+        )
     if data.get("format") != FORMAT:
         raise DappleError(f"checkpoint manifest {path} has format {data.get('format')!r}, not {FORMAT}")
-    return manifest
+    fields = _ManifestFields(path, data)
+    ranks = data.get("ranks")
+    if not isinstance(ranks, list) or not all(isinstance(e, dict) for e in ranks):
+        raise fields.bad("ranks", "a list of objects (rank, file, sha256, size)")
+    files = {}
+    for i, entry in enumerate(ranks):
+        one = _ManifestFields(path, entry, f"ranks[{i}].")
+        files[one.whole("rank")] = (one.text("file"), one.text("sha256"), one.whole("size"))
+    return Manifest(directory, fields.whole("step"), fields.whole("world_size"), fields.text("plan_digest"), files)
+
+
+@dataclass
+class _ManifestFields:
+    """Reads the fields of one JSON object of a manifest, each checked for its type and range."""
+
+    path: Path
+    data: dict[str, Any]
+    prefix: str = ""
+
+    def bad(self, key: str, want: str) -> DappleError:
+        shown = repr(self.data.get(key))
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        return DappleError(
+            f"checkpoint manifest {self.path}: field {self.prefix}{key} must be {want}, not {shown}; was it edited?"
+        )
+
+    def whole(self, key: str) -> int:
+        value = self.data.get(key)
+        if type(value) is not int or not 0 <= value < 2**63:
+            raise self.bad(key, "a whole number from 0 to 2**63 - 1")
+        return value
+
+    def text(self, key: str) -> str:
+        value = self.data.get(key)
+        if not isinstance(value, str):
+            raise self.bad(key, "a string")
+        return value
 
 
 def verify(directory: Path, plan_digest: str, world_size: int) -> Manifest:
@@ -124,7 +177,7 @@ def verify(directory: Path, plan_digest: str, world_size: int) -> Manifest:
             f"--resume {directory}: {where} lists ranks {sorted(manifest.files)} of a world of {manifest.world_size}, "
             f"but the plan has {world_size} ranks"
         )
-    folder = directory / step_dir(manifest.step)
+    folder = directory / manifest.folder
     for found in sorted(folder.glob("rank_*.pt")) if folder.is_dir() else []:
         match = _RANK_FILE.fullmatch(found.name)
         if match is None or int(match.group(1)) >= world_size:
@@ -143,7 +196,12 @@ def verify(directory: Path, plan_digest: str, world_size: int) -> Manifest:
 def _checked_path(manifest: Manifest, rank: int) -> Path:
     name = manifest.files[rank][0]
     path = manifest.directory / name
-    if path.parent != manifest.directory / step_dir(manifest.step) or path.name != rank_file(rank):
+    folder = manifest.folder
+    if (
+        folder not in step_folders(manifest.step)
+        or path.parent != manifest.directory / folder
+        or path.name != rank_file(rank)
+    ):
         raise DappleError(f"--resume: {manifest.directory / MANIFEST} names {name} for rank {rank}; was it edited?")
     if not path.is_file():
         raise DappleError(f"--resume: checkpoint file {path} of rank {rank} is missing")
@@ -189,8 +247,9 @@ def _check_recorded(state: dict[str, Any], path: Path, manifest: Manifest, rank:
 # ------------------------------------------------------------------------------ load and save
 
 
-def load(directory: Path, rank: int, plan_digest: str) -> dict[str, Any]:
-    """Rank `rank`'s saved state, checked again (size, hash, step, rank, plan) as it is read."""
+def load(directory: Path, rank: int, plan_digest: str, expected: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank `rank`'s saved state, checked again (size, hash, step, rank, plan) as it is read, and against
+    `expected` (the rank's own `Runtime.state_dict()`): the same stages, each tensor's name, shape and dtype."""
     manifest = read_manifest(directory)
     if rank not in manifest.files:
         raise DappleError(f"--resume: {directory / MANIFEST} has no file for rank {rank}")
@@ -201,7 +260,38 @@ def load(directory: Path, rank: int, plan_digest: str) -> dict[str, Any]:
     _check_bytes(manifest, rank, path, data)
     state = _load_state(io.BytesIO(data), path)
     _check_recorded(state, path, manifest, rank)
+    if expected is not None:
+        _check_structure(state, expected, path)
     return state
+
+
+def _check_structure(state: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
+    """The file holds the state this rank's stages have, tensor for tensor (a forged or foreign file of the
+    right step, rank and plan digest would otherwise fail inside torch, as a KeyError or a state-dict error)."""
+    stages, want = state.get("stages"), expected["stages"]
+    if not isinstance(stages, dict) or sorted(stages) != sorted(want):
+        shown = sorted(stages) if isinstance(stages, dict) else type(stages).__name__
+        raise DappleError(
+            f"--resume: checkpoint file {path} holds stages {shown}, but this rank runs {sorted(want)}: it was saved "
+            "by another plan or forged"
+        )
+    for stage, tensors in want.items():
+        found = stages[stage]
+        for name, tensor in tensors.items():
+            got = found.get(name) if isinstance(found, dict) else None
+            if not isinstance(got, torch.Tensor) or (got.shape, got.dtype) != (tensor.shape, tensor.dtype):
+                what = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)[:40]
+                raise DappleError(
+                    f"--resume: checkpoint file {path} holds {what} for {stage}/{name}, where this rank's stage has "
+                    f"a {tuple(tensor.shape)} {tensor.dtype} tensor: it was saved by another plan or forged"
+                )
+        extra = sorted(set(found) - set(tensors)) if isinstance(found, dict) else []
+        if extra:
+            raise DappleError(
+                f"--resume: checkpoint file {path} holds {stage}/{extra[0]}, which this rank's stage lacks"
+            )
+    if not isinstance(state.get("optimizer"), dict):
+        raise DappleError(f"--resume: checkpoint file {path} holds no optimizer state (a dict): forged or foreign")
 
 
 def _load_state(source: io.BytesIO | Path, path: Path, *, mmap: bool = False) -> dict[str, Any]:
@@ -222,27 +312,41 @@ def _load_state(source: io.BytesIO | Path, path: Path, *, mmap: bool = False) ->
 def save(
     state: dict[str, Any], directory: Path, *, rank: int, world_size: int, plan_digest: str, barrier: Callable[[], None]
 ) -> None:
-    """Write `state` (a rank's, with its `step`) into a new step directory; rank 0 commits after `barrier`."""
+    """Write `state` (a rank's, with its `step`) into a step folder the committed manifest does not name; rank 0
+    commits after `barrier`."""
     step = int(state["step"])
-    folder = directory / step_dir(step)
+    name = fresh_folder(directory, step)
+    folder = directory / name
     payload = {**state, "rank": rank, "plan_digest": plan_digest}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
     target = folder / rank_file(rank)
-    name, sha256 = f"{step_dir(step)}/{rank_file(rank)}", hashlib.sha256(data).hexdigest()
-    record = {"file": name, "sha256": sha256, "size": len(data), "step": step}
+    record = {"file": f"{name}/{rank_file(rank)}", "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     with _disk_errors(directory, target):
         folder.mkdir(parents=True, exist_ok=True)
         write_atomically(target, data)
-        write_atomically(folder / f"rank_{rank}.json", json.dumps(record).encode())
+        write_atomically(folder / f"rank_{rank}.json", json.dumps({**record, "step": step}).encode())
     barrier()
     if rank == 0:
-        _commit(directory, step, world_size, plan_digest)
+        _commit(directory, name, step, world_size, plan_digest)
 
 
-def _commit(directory: Path, step: int, world_size: int, plan_digest: str) -> None:
-    folder = directory / step_dir(step)
+def fresh_folder(directory: Path, step: int) -> str:
+    """The folder a save of `step` writes into: never the one the committed manifest names, so a crash before the
+    new manifest commits leaves the committed files as they were, even when both are of the same step (a save
+    rerun, or a resume saved at the step it resumed from). Every rank reads the manifest before the barrier of
+    its save, and rank 0 replaces it only after, so all ranks choose the same folder."""
+    plain, resaved = step_folders(step)
+    try:
+        committed = read_manifest(directory).folder
+    except DappleError:
+        return plain
+    return resaved if committed == plain else plain
+
+
+def _commit(directory: Path, name: str, step: int, world_size: int, plan_digest: str) -> None:
+    folder = directory / name
     ranks = []
     for r in range(world_size):
         record_path = folder / f"rank_{r}.json"
@@ -259,7 +363,7 @@ def _commit(directory: Path, step: int, world_size: int, plan_digest: str) -> No
     with _disk_errors(directory, path):
         write_atomically(path, (json.dumps(manifest, indent=1) + "\n").encode())
     for old in directory.iterdir():
-        if old.is_dir() and _STEP_DIR.fullmatch(old.name) and old.name != folder.name:
+        if _STEP_DIR.fullmatch(old.name) and old.name != name and old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
 
 

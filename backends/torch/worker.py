@@ -333,7 +333,7 @@ def save_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
 
 
 def load_checkpoint(rt: Runtime, directory: Path, plan: Plan) -> None:
-    rt.load_state_dict(checkpoint.load(directory, rt.rank, plan.digest))
+    rt.load_state_dict(checkpoint.load(directory, rt.rank, plan.digest, expected=rt.state_dict()))
 
 
 # ------------------------------------------------------------------------------ error reports
