@@ -496,3 +496,20 @@ def test_a_forged_rank_file_is_named_when_a_run_resumes(plan: Path, saved: Path)
     (saved / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DappleError, match=r"rank_1\.pt holds None for s\d+/.*: it was saved by another plan or forged"):
         run(plan, steps=1, resume=saved, **OPTIONS)
+
+
+def test_saving_over_another_plans_checkpoint_needs_force(
+    tmp_path: Path, saved: Path, steps_run: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `--save` into a directory holding another plan's committed checkpoint replaced it without a word."""
+    from dapple_ir.cli import main
+
+    other = make_plan(tmp_path / "other", MLP, stages=2, kind="gpipe")
+    before = _manifest(saved)
+    argv = ["run", str(other), "--steps", "1", "--transport", "threads", "--save", str(saved)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--save {saved} holds the committed checkpoint of another plan (step 2, 2 ranks, plan digest" in err
+    assert "--force" in err and steps_run == [] and _manifest(saved) == before
+    assert main([*argv, "--force"]) == 0
+    assert _manifest(saved)["plan_digest"] != before["plan_digest"] and _manifest(saved)["step"] == 1

@@ -102,6 +102,27 @@ def check_save_dir(directory: Path) -> None:
         ) from None
 
 
+def check_save_owner(directory: Path, plan_digest: str, *, force: bool = False) -> None:
+    """Refuse a `--save` directory whose committed checkpoint another plan wrote (the save would replace it),
+    unless `force`; a checkpoint of this plan, an empty directory or a new one is fine."""
+    if force or not (directory / MANIFEST).is_file():
+        return
+    try:
+        manifest = read_manifest(directory)
+    except DappleError as exc:
+        raise DappleError(
+            f"--save {directory} holds a manifest.json this plan did not write ({exc}); saving would replace it: "
+            "choose another directory, or pass --force to replace it"
+        ) from None
+    if manifest.plan_digest == plan_digest:
+        return
+    raise DappleError(
+        f"--save {directory} holds the committed checkpoint of another plan (step {manifest.step}, "
+        f"{manifest.world_size} ranks, plan digest {manifest.plan_digest[:12]}; this plan's is {plan_digest[:12]}), "
+        "which saving would replace; choose another directory, or pass --force to replace it"
+    )
+
+
 def read_manifest(directory: Path) -> Manifest:
     """The manifest of a checkpoint directory, or a `DappleError` naming what is missing or malformed."""
     if not directory.is_dir():

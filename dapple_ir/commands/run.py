@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, RTOL
 from dapple_ir.units import format_bytes
@@ -21,7 +22,8 @@ is written to PLAN_DIR/timeline_measured.json (Chrome trace, the simulator's for
 
 Checkpoints: --save DIR writes DIR/step_<k>/rank_<r>.pt and then DIR/manifest.json (plan digest,
 step, world size, each file's SHA-256 and size); the manifest's atomic replacement commits a save,
-so a crash or a full disk mid-save keeps the previous checkpoint whole. --resume DIR checks all of
+so a crash or a full disk mid-save keeps the previous checkpoint whole. A DIR holding another
+plan's checkpoint is refused (naming it) unless --force. --resume DIR checks all of
 it before any rank trains, then runs --steps more steps from the saved step; losses, parameters and
 the optimizer state continue bit for bit as if the run had never stopped.
 
@@ -75,6 +77,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="N",
         help="with --save: also checkpoint after every N-th step, so a fault loses at most N steps",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --save: replace a checkpoint of another plan in DIR (refused without it)",
+    )
     p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (checked first)")
     p.add_argument(
         "--optimizer", choices=("sgd", "sgd-momentum", "adam", "adamw"), help="default: the plan's, else sgd"
@@ -104,9 +111,13 @@ def _cores(cores: list[int] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple_ir.backends.torch.checkpoint import check_save_owner
     from dapple_ir.backends.torch.launch import Interrupted
     from dapple_ir.backends.torch.launch import run as run_plan
+    from dapple_ir.plan_dir import load_plan
 
+    if args.save:
+        check_save_owner(Path(args.save), load_plan(args.plan_dir).digest, force=args.force)
     try:
         result = run_plan(
             args.plan_dir,
