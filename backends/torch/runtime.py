@@ -113,6 +113,16 @@ METERED_STEPS = 2
 _RELEASING = frozenset({"send", "free"})
 
 
+def _params_on(stages: dict[str, StageModule], device: torch.device) -> list[torch.nn.Parameter]:
+    """The stages' parameters moved to `device`, each once (a tied parameter is shared by two stages)."""
+    unique: dict[int, torch.nn.Parameter] = {}
+    for sm in stages.values():
+        sm.graph_module.to(device)
+        for p in sm.params.values():
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
 class Runtime:
     """One rank's executor. Rank files call its instruction methods in program order, once per step."""
 
@@ -148,6 +158,7 @@ class Runtime:
         self.seed = seed
         self.record_grads = record_grads
         self.recompute = recompute or set()
+        """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
         self.rows = rows
         """Rows [lo, hi) of each microbatch this rank's stages compute when they split microbatches over
         their replicas (`StageAttrs.split`); None: whole microbatches."""
@@ -157,17 +168,11 @@ class Runtime:
         self._draw_rows = (*rows, data.microbatch_size) if rows is not None else None
         self.parts: dict[tuple[str, int], list[tuple[int, Any]]] = {}
         """Received pieces (rows lo.., tensor) of values a split boundary re-slices, joined at first use."""
-        """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
         self.draws = {name: StageDraws(f"stage @{name}") for name in stages}
         self.recorded_grads: dict[int, dict[str, torch.Tensor]] = {}
         """With `record_grads`: the gradients the optimizer saw at step 0 (where a pipeline and one device start
         from the same parameters), keyed `stage/name`, by step."""
-        unique: dict[int, torch.nn.Parameter] = {}
-        for sm in stages.values():
-            sm.graph_module.to(device)
-            for p in sm.params.values():
-                unique.setdefault(id(p), p)
-        self.params = list(unique.values())
+        self.params = _params_on(stages, device)
         # Parameters keep their storage for the whole run (the optimizer and checkpoint loading write in place).
         self._param_storages = {s.data_ptr(): s.nbytes() for s in (p.untyped_storage() for p in self.params)}
         # A stage of parameter-free ops (an activation, the loss) has nothing to step.
@@ -185,14 +190,18 @@ class Runtime:
         self.post_log: list[tuple[int, str, int, bool]] = []
         """This step's posts: (index of the instruction they were posted before, value, mb, grad)."""
         self.reduced: set[tuple[int, tuple[int, ...]]] = set()
+        self._index = 0
+        self._current: tuple[str, int] | None = None
+        self._step_losses: list[tuple[str, int, torch.Tensor]] = []
+        self._start_measuring(meter_steps)
+
+    def _start_measuring(self, meter_steps: int | None) -> None:
+        """What the rank measures as it runs: losses, spans, memory, step times (see the module docstring)."""
         self.losses: dict[int, dict[int, float]] = {}
         self.spans: list[Span] = []
         self.memory: list[tuple[float, int]] = []
         self.peak_bytes = 0
         self.step_times: dict[int, tuple[float, float]] = {}
-        self._index = 0
-        self._current: tuple[str, int] | None = None
-        self._step_losses: list[tuple[str, int, torch.Tensor]] = []
         self._run_queue = RunQueueClock()
         """The thread's time waiting for a CPU, read around each instruction (`Span.queued_s`)."""
         self.meter_steps = meter_steps

@@ -1,4 +1,4 @@
-"""The tolerances of `dapple run --check` (see `launch._check` for how they are used).
+"""The tolerances of `dapple run --check` (see `check.compare_with_reference` for how they are used).
 
 Torch-free, so that the command line can print them in its help without loading torch.
 """
