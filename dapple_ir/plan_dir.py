@@ -350,6 +350,22 @@ def write_plan_dir(
         raise
 
 
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` through `write(temporary)` and rename that over it: a symbolic link at `path` is replaced, never
+    followed, so nothing the product writes into a plan directory lands outside it; readers see the old file or the
+    whole new one. The temporary file is created here (exclusively), so it cannot be a link either."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        tmp.chmod(0o666 & ~current_umask())  # mkstemp's 0600: the file gets the usual mode
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def current_umask() -> int:
     """The process's umask (set and restored at once: call it where no other thread creates files)."""
     mask = os.umask(0)
@@ -362,6 +378,12 @@ def load_plan(plan_dir: str | Path) -> Plan:
     path = Path(plan_dir)
     if not path.is_dir():
         raise DappleError(f"plan directory {path} does not exist; create one with `dapple compile ... -o {path}`")
+    run = path / RUN_DIR
+    if run.is_symlink():
+        raise DappleError(
+            f"{run} is a symbolic link (to {os.readlink(run)}); `dapple run` writes and deletes its ranks' reports "
+            "there and follows no link it did not make; remove the link (a plain directory, or none, is fine)"
+        )
     json_path, ir_path = path / PLAN_JSON, path / PLAN_IR
     for needed in (json_path, ir_path):
         if not needed.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dapple_ir.plan_dir import replace_file
 from dapple_ir.sim.trace import COMPUTE_TRACK, Timeline
 from dapple_ir.units import bytes_unit, format_seconds, seconds_unit
 
@@ -80,7 +81,7 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     if any(span.critical for span in timeline.spans):
         legend.append(Patch(facecolor="none", edgecolor="black", linewidth=1.2, label="critical path"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=_DPI)
+    replace_file(Path(path), lambda tmp: fig.savefig(tmp, dpi=_DPI))
     return width_px, height_px
 
 

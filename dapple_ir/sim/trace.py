@@ -28,6 +28,7 @@ from typing import Any
 
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind
+from dapple_ir.plan_dir import replace_file
 from dapple_ir.sim.simulator import COMM_KINDS, COMPUTE_STREAM_KINDS, SimulationResult
 
 TRACE_VERSION = 1
@@ -235,7 +236,8 @@ def write_trace(timeline: Timeline, path: str | Path) -> None:
     other = {"dapple_trace": TRACE_VERSION, "source": timeline.source, "iteration_s": timeline.iteration_s}
     other.update(timeline.metadata)
     document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
-    Path(path).write_text(json.dumps(document, separators=(",", ":")) + "\n")
+    text = json.dumps(document, separators=(",", ":")) + "\n"
+    replace_file(Path(path), lambda tmp: tmp.write_text(text))
 
 
 def _pack_comm_lanes(spans: list[Span]) -> list[int]:

@@ -1,0 +1,93 @@
+"""A plan directory owns what the product wrote and nothing else (issue 47, items 3-5): no write or delete follows a
+symbolic link it did not make, `compile -o` replaces only files its digest lists, and a compile killed between its
+two renames is recovered by the next one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.cli import main
+from dapple_ir.errors import DappleError
+from tests.paths import PROFILES
+
+VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
+COMPILE = ["compile", f"profile:{VGG19}", "--cluster", "2x2xV100-16GB", "--global-batch", "32", "-o"]
+
+
+@pytest.fixture
+def profile_plan(tmp_path: Path) -> Path:
+    out = tmp_path / "plan"
+    assert main([*COMPILE, str(out)]) == 0
+    return out
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A directory outside the plan holding a user's files, each named as a file the product writes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("victim.json", "victim.png", "rank_9.json", "notes.tmp", "torchrun.log", "heartbeat_rank_0.json"):
+        (outside / name).write_text(f"the user's {name}\n")
+    return outside
+
+
+def _untouched(outside: Path) -> None:
+    for path in outside.iterdir():
+        assert path.read_text() == f"the user's {path.name}\n", f"{path} was written through a link"
+
+
+# ------------------------------------------------------------------------------ symbolic links (item 3)
+
+
+def test_simulate_replaces_links_and_never_writes_through_them(tmp_path: Path, profile_plan: Path) -> None:
+    """Before: `timeline.json` and `timeline.png` links were followed and the outside files overwritten."""
+    outside = _outside(tmp_path)
+    (profile_plan / "timeline.json").symlink_to(outside / "victim.json")
+    (profile_plan / "timeline.png").symlink_to(outside / "victim.png")
+    assert main(["simulate", str(profile_plan)]) == 0
+    _untouched(outside)
+    for name in ("timeline.json", "timeline.png"):
+        assert not (profile_plan / name).is_symlink() and (profile_plan / name).stat().st_size > 100
+    assert json.loads((profile_plan / "timeline.json").read_text())["traceEvents"]
+    assert not list(profile_plan.glob(".*tmp*"))
+
+
+@pytest.fixture(scope="module")
+def torch_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_runtime import MLP, make_plan
+
+    return make_plan(tmp_path_factory.mktemp("links") / "plan", MLP, stages=2, kind="1f1b")
+
+
+def test_run_refuses_a_run_folder_that_is_a_link(tmp_path: Path, torch_plan: Path) -> None:
+    """Before: `run/` was followed, and the outside directory's `rank_9.json`, `notes.tmp`, `torchrun.log` deleted."""
+    from dapple_ir.backends.torch.launch import run
+
+    outside = _outside(tmp_path)
+    link = torch_plan / "run"
+    if link.exists():
+        shutil.rmtree(link)
+    link.symlink_to(outside, target_is_directory=True)
+    try:
+        with pytest.raises(DappleError, match=r"run is a symbolic link \(to .*outside\); `dapple run` writes"):
+            run(torch_plan, steps=1, transport="threads")
+    finally:
+        link.unlink()
+    _untouched(outside)
+    assert len(list(outside.iterdir())) == 6
+
+
+def test_run_replaces_a_measured_timeline_link(tmp_path: Path, torch_plan: Path) -> None:
+    """Before: the measured timeline was written through a `timeline_measured.json` link."""
+    from dapple_ir.backends.torch.launch import run
+
+    outside = _outside(tmp_path)
+    measured = torch_plan / "timeline_measured.json"
+    measured.unlink(missing_ok=True)
+    measured.symlink_to(outside / "victim.json")
+    run(torch_plan, steps=1, transport="threads")
+    _untouched(outside)
+    assert not measured.is_symlink() and json.loads(measured.read_text())["traceEvents"]
