@@ -67,18 +67,50 @@ RUN_FILES = (
 )
 
 
-def is_plan_file(name: str) -> bool:
-    """Whether a file of that name is one dapple-ir writes into a plan directory."""
-    known = {PLAN_JSON, PLAN_IR, REPORT, TIMELINE, TIMELINE_PICTURE, TIMELINE_MEASURED, TIMELINE_COMPARE}
-    return name in known or _RANK_FILE.fullmatch(name) is not None
+#: What `simulate` and `run` add to a plan directory after compile; a plan directory owns them as regular files.
+_LATER_FILES = (TIMELINE, TIMELINE_PICTURE, TIMELINE_MEASURED, TIMELINE_COMPARE)
 
 
-def _is_ours(path: Path) -> bool:
-    """A plan file, or the run folder `dapple run` left there holding nothing but its ranks' reports (a new plan
-    replaces it with the rest: its reports belong to the old plan)."""
-    if path.name == RUN_DIR and path.is_dir() and not path.is_symlink():
-        return all(p.is_file() and any(p.match(pattern) for pattern in RUN_FILES) for p in path.iterdir())
-    return is_plan_file(path.name)
+def _owned(out: Path) -> set[str]:
+    """What of `out` the product wrote: nothing, unless plan.json is a sealed plan (its digest checks); then
+    plan.json, every file its digest lists (plan.dapple, rank files, report.txt) whose bytes are those it lists,
+    the files `simulate` and `run` add, and a run folder holding nothing but its ranks' reports (a new plan
+    replaces it with the rest: its reports belong to the old plan). Links, and files of a plan's names that it
+    does not list, are the user's."""
+    meta = _sealed_meta(out / PLAN_JSON) or {}
+    files = meta.get(FILES)
+    if not isinstance(files, dict):
+        return set()
+    listed = {**files, REPORT: meta.get(REPORT_SHA256)}
+    owned = {PLAN_JSON} | {name for name, sha256 in listed.items() if _is_file_of(out / name, sha256)}
+    owned |= {name for name in _LATER_FILES if _is_regular(out / name)}
+    run = out / RUN_DIR
+    if _is_regular(run, directory=True) and all(_is_regular(p) and _is_run_file(p) for p in run.iterdir()):
+        owned.add(RUN_DIR)
+    return owned
+
+
+def _sealed_meta(path: Path) -> dict[str, Any] | None:
+    if not _is_regular(path):
+        return None
+    try:
+        meta = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get(DIGEST) == json_digest(meta) else None
+
+
+def _is_regular(path: Path, *, directory: bool = False) -> bool:
+    """A file (or directory) that is not a symbolic link."""
+    return not path.is_symlink() and (path.is_dir() if directory else path.is_file())
+
+
+def _is_file_of(path: Path, sha256: object) -> bool:
+    return isinstance(sha256, str) and _is_regular(path) and file_sha256(path) == sha256
+
+
+def _is_run_file(path: Path) -> bool:
+    return any(path.match(pattern) for pattern in RUN_FILES)
 
 
 def check_output(out: Path, *, force: bool = False) -> None:
@@ -93,7 +125,8 @@ def check_output(out: Path, *, force: bool = False) -> None:
         )
     if not out.is_dir() or force:
         return
-    foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p))
+    owned = _owned(out)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in owned)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise DappleError(
@@ -170,6 +203,9 @@ DIGEST = "digest"
 FILES = "files"
 """plan.json's field mapping plan.dapple and every rank file to its SHA-256."""
 SPEC_SHA256 = "model_spec_sha256"
+REPORT_SHA256 = "report_sha256"
+"""plan.json's field holding the SHA-256 of report.txt: what compile wrote there (not checked when the plan loads:
+the report explains, nothing runs it), so that a later compile replaces it and never a user's file of that name."""
 """plan.json's field holding the SHA-256 of the model spec's file (the Python file run to rebuild the model)."""
 
 
@@ -217,6 +253,7 @@ def seal(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     )
     sealed[FILES] = {name: file_sha256(directory / name) for name in names}
     sealed["ir_sha256"] = sealed[FILES].get(PLAN_IR)
+    sealed[REPORT_SHA256] = file_sha256(directory / REPORT) if (directory / REPORT).is_file() else None
     spec = meta.get("model_spec")
     sealed[SPEC_SHA256] = spec_sha256(spec) if isinstance(spec, str) and spec else None
     sealed[DIGEST] = json_digest(sealed)

@@ -91,3 +91,50 @@ def test_run_replaces_a_measured_timeline_link(tmp_path: Path, torch_plan: Path)
     run(torch_plan, steps=1, transport="threads")
     _untouched(outside)
     assert not measured.is_symlink() and json.loads(measured.read_text())["traceEvents"]
+
+
+# ------------------------------------------------------------------------------ ownership by the digest (item 4)
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda out: (out / "rank_0.py").mkdir() or (out / "rank_0.py" / "notes.txt").write_text("mine"),
+        lambda out: (out / "report.txt").write_text("mine"),
+        lambda out: (out / "rank_3.py").write_text("mine"),
+        lambda out: (out / "timeline.json").symlink_to(out.parent / "elsewhere.json"),
+    ],
+    ids=["rank-file-dir", "own-report", "unlisted-rank-file", "linked-timeline"],
+)
+def test_compile_keeps_user_files_with_plan_like_names(tmp_path: Path, profile_plan: Path, plant: object) -> None:
+    """Before: `rank_0.py/notes.txt` and a hand-written `report.txt` were deleted by `compile -o`, exit 0."""
+    (tmp_path / "elsewhere.json").write_text("mine")
+    plant(profile_plan)  # type: ignore[operator]
+    before = sorted(str(p.relative_to(profile_plan)) for p in profile_plan.rglob("*"))
+    with pytest.raises(
+        DappleError, match=r"holds files dapple-ir did not write \((rank_0\.py|report\.txt|rank_3\.py|timeline\.json)\)"
+    ):
+        compile_plan(str(VGG19), profile_plan)
+    assert sorted(str(p.relative_to(profile_plan)) for p in profile_plan.rglob("*")) == before
+
+
+def test_a_directory_of_plan_names_without_a_sealed_plan_json_is_not_a_plan(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("plan.dapple", "report.txt", "timeline.json"):
+        (out / name).write_text("mine")
+    (out / "plan.json").write_text('{"digest": "forged"}')
+    with pytest.raises(DappleError, match=r"holds files dapple-ir did not write \(plan.dapple, plan.json, report"):
+        compile_plan(str(VGG19), out)
+
+
+def test_a_plan_with_its_simulation_files_is_replaced_whole(profile_plan: Path) -> None:
+    assert main(["simulate", str(profile_plan)]) == 0
+    compile_plan(str(VGG19), profile_plan)
+    assert sorted(p.name for p in profile_plan.iterdir()) == ["plan.dapple", "plan.json", "report.txt"]
+
+
+def compile_plan(spec: str, out: Path) -> None:
+    from dapple_ir.api import compile as compile_api
+
+    compile_api(f"profile:{spec}", cluster="2x2xV100-16GB", global_batch=32, out_dir=out)
