@@ -116,6 +116,7 @@ def _is_run_file(path: Path) -> bool:
 def check_output(out: Path, *, force: bool = False) -> None:
     """Refuse an output path whose contents dapple-ir did not write, before any work is done: a file,
     or a directory holding anything but plan files (unless `force`, which replaces it whole)."""
+    recover_interrupted(out)
     if out.exists() and not out.is_dir():
         raise DappleError(f"output {out} is a file, not a directory; give a new or plan directory to write the plan")
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
@@ -133,6 +134,35 @@ def check_output(out: Path, *, force: bool = False) -> None:
             f"output directory {out} holds files dapple-ir did not write ({shown}); a plan replaces its directory "
             "whole, so choose another directory, or pass --force to replace it with everything in it"
         )
+
+
+def recover_interrupted(out: Path) -> None:
+    """Undo what a compile into `out` that was killed left beside it: between its two renames (the previous plan
+    moved to `.NAME.old-PID`, the new one not yet at NAME) the previous plan is moved back; then the leftovers of
+    dead compiles (`.NAME.old-PID`, `.NAME.new-PID-XXXX`) are removed. A compile still running keeps its own."""
+    if not out.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(old|new)-([0-9]+)(-.*)?")
+    leftovers = []
+    for path in out.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match and _is_regular(path, directory=True) and not _alive(int(match.group(2))):
+            leftovers.append((match.group(1), path))
+    for kind, path in sorted(leftovers):  # "new" before "old": out is restored from the previous plan
+        if kind == "old" and not out.exists() and not out.is_symlink():
+            path.rename(out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's process: leave its files alone
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 @dataclass
@@ -365,7 +395,7 @@ def write_plan_dir(
     out = out.resolve()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-{os.getpid()}-", dir=out.parent))
     except OSError as exc:
         raise DappleError(f"cannot write the plan directory {out}: {exc.strerror or exc}") from None
     # mkdtemp makes the directory private (0700); a plan directory gets the usual mode.

@@ -5,14 +5,19 @@ two renames is recovered by the next one."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dapple_ir.cli import main
 from dapple_ir.errors import DappleError
-from tests.paths import PROFILES
+from dapple_ir.plan_dir import check_output
+from tests.paths import PROFILES, ROOT
 
 VGG19 = PROFILES / "dapple-vgg-19-pbs-32.txt"
 COMPILE = ["compile", f"profile:{VGG19}", "--cluster", "2x2xV100-16GB", "--global-batch", "32", "-o"]
@@ -138,3 +143,49 @@ def compile_plan(spec: str, out: Path) -> None:
     from dapple_ir.api import compile as compile_api
 
     compile_api(f"profile:{spec}", cluster="2x2xV100-16GB", global_batch=32, out_dir=out)
+
+
+# ------------------------------------------------------------------------------ a compile killed between renames (5)
+
+#: `dapple compile` in a process of its own that SIGKILLs itself as it renames the new plan into place: the
+#: previous plan is at `.plan.old-PID`, the new one in its temporary directory, nothing at `plan`.
+_KILLED_BETWEEN_RENAMES = """
+import os, pathlib, signal, sys
+rename = pathlib.Path.rename
+def dying_rename(self, target):
+    if pathlib.Path(target).name == "plan" and ".old-" not in self.name:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(self, target)
+pathlib.Path.rename = dying_rename
+from dapple_ir.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _kill_between_renames(out: Path) -> None:
+    argv = [sys.executable, "-c", _KILLED_BETWEEN_RENAMES, *COMPILE, str(out)]
+    killed = subprocess.run(argv, capture_output=True, timeout=300, cwd=ROOT)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert not out.exists()
+    assert len(list(out.parent.glob(".plan.*"))) == 2  # the previous plan and the new one, beside it
+
+
+def test_a_compile_killed_between_its_renames_is_recovered_by_the_next(tmp_path: Path, profile_plan: Path) -> None:
+    """Before: no plan was left at `-o`, and `.plan.old-PID` and `.plan.XXXX` stayed forever."""
+    previous = (profile_plan / "plan.json").read_bytes()
+    _kill_between_renames(profile_plan)
+    check_output(profile_plan)  # what the next compile does first
+    assert (profile_plan / "plan.json").read_bytes() == previous  # the previous plan is back, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+    _kill_between_renames(profile_plan)
+    assert main([*COMPILE, str(profile_plan)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+    load_plan_meta = json.loads((profile_plan / "plan.json").read_text())
+    assert load_plan_meta["digest"]
+
+
+def test_the_leftovers_of_a_running_compile_are_kept(tmp_path: Path) -> None:
+    mine = tmp_path / f".plan.new-{os.getpid()}-abcd1234"
+    mine.mkdir()
+    check_output(tmp_path / "plan")
+    assert mine.is_dir()
