@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple_ir import plan_dir
+from dapple_ir.analysis.experts import expert_lines
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, OpKind
 from dapple_ir.pass_manager import PassManager, build_pipeline
@@ -114,7 +115,7 @@ def compile(
             f"global batch {global_batch} is not divisible into {microbatches} microbatches; "
             f"choose --microbatches among the divisors of {global_batch}"
         )
-    module, spec_text = _load(model_spec, profile_batch)
+    module, spec_text = _load(model_spec, profile_batch, cluster)
     from dapple_ir.ir.structure import structure_hash
 
     model_hash = structure_hash(module)
@@ -138,20 +139,22 @@ def compile(
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)
-    explain_lines = ctx.reports.get("plan", [])
-    report = report_text(module, plan, explain_lines if explain else explain_lines[:8])
+    planner_lines = ctx.reports.get("plan", [])
+    explain_lines = [*planner_lines, *expert_lines(module)]
+    report = report_text(module, plan, explain_lines if explain else planner_lines[:8])
     result = CompileResult(module, plan, report, explain_lines, Path(out_dir) if out_dir else None, text)
     if out_dir is not None:
         write_plan_dir(result, Path(out_dir), runnable=not profile)
     return result
 
 
-def _load(model_spec: str | Module, profile_batch: int | None) -> tuple[Module, str]:
+def _load(model_spec: str | Module, profile_batch: int | None, cluster: str) -> tuple[Module, str]:
     if isinstance(model_spec, Module):
         return model_spec, model_spec.attrs.source or model_spec.name
     from dapple_ir.frontend.spec_loader import capture_spec
 
-    return capture_spec(model_spec, device="meta", profile_batch=profile_batch), model_spec
+    # Traced as if on the cluster's device, so code that picks its kernels by device picks that device's.
+    return capture_spec(model_spec, device="meta", profile_batch=profile_batch, cluster=cluster), model_spec
 
 
 def _node_name(op: Any) -> str:

@@ -12,8 +12,12 @@ from transformers import (
     BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -73,3 +77,40 @@ def vit() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     )
     inputs = {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 10, (BATCH,))}
     return ViTForImageClassification(config), inputs
+
+
+def mixtral() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Mixtral: a sparse mixture of 4 SwiGLU experts per layer, each token routed to its top 2 (the
+    library's default routing and experts implementation), over 4 layers."""
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    ids = _tokens()
+    return MixtralForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}
+
+
+def qwen2_moe() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Qwen2-MoE: 4 routed experts (top 2) beside a gated shared expert in every layer, over 4 layers."""
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    ids = _tokens()
+    return Qwen2MoeForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}

@@ -31,6 +31,8 @@ MODELS = {
     "bert": f"{ROOT}/tests/hf_zoo.py:bert",
     "t5": f"{ROOT}/examples/t5.py:factory",
     "vit": f"{ROOT}/tests/hf_zoo.py:vit",
+    "mixtral": f"{ROOT}/tests/hf_zoo.py:mixtral",
+    "qwen2_moe": f"{ROOT}/tests/hf_zoo.py:qwen2_moe",
 }
 
 #: The least share of the forward time each of the two stages must run (see the module docstring).

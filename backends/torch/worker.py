@@ -39,6 +39,7 @@ from dapple_ir.backends.torch.transport import DistTransport, Transport, Transpo
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.frontend.runnable import bind_model, retarget_devices
+from dapple_ir.frontend.trace_device import trace_device_for
 from dapple_ir.ir import InstrKind, Module, OpKind
 from dapple_ir.ir.structure import first_difference, structure_hash
 from dapple_ir.plan_dir import Plan, load_plan, rank_file
@@ -148,10 +149,12 @@ def prepare_model(plan: Plan) -> Prepared:
 
 
 def _prepare(plan: Plan, method: str) -> Prepared:
-    # The graph is captured exactly as compile captured it, from the factory on the meta device, so it
-    # is the planned graph op for op (a capture on the CPU traces the CPU's kernels, which differ).
+    # The graph is captured exactly as compile captured it, from the factory on the meta device, shown as the
+    # plan's cluster's device (trace_device), so it is the planned graph op for op (a capture on the CPU traces
+    # the CPU's kernels, which differ).
     planned = _factory(plan, "meta")
-    captured = capture_loaded(planned, method=method, annotate_costs=False)
+    trace_device = trace_device_for(str(plan.meta.get("cluster") or ""))
+    captured = capture_loaded(planned, method=method, annotate_costs=False, trace_device=trace_device)
     del planned
     # The weights come from the factory on the CPU after seeding, as the single-device reference builds them.
     loaded = _factory(plan, "cpu")

@@ -8,6 +8,7 @@ import sys
 from dapple_ir import schedules
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
+from dapple_ir.frontend.hf_spec import DEFAULT_BATCH, DEFAULT_SEQ, is_hf_spec, with_shape
 from dapple_ir.planner.cost_model import POLICIES, REPLICATION
 from dapple_ir.planner.search import METHODS, RECOMPUTE
 
@@ -15,6 +16,7 @@ _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
   dapple compile profile:graph.txt --cluster 16x1xV100-16GB --global-batch 1024 -o plans/vgg --profile-batch 64
   dapple compile examples/mlp.py:factory --cluster 4xcpu --global-batch 32 --stages 2 --microbatches 8 -o plans/mlp
+  dapple compile hf:llama-70b/config.json --seq 2048 --example-batch 4 --cluster 4x8xH100 --global-batch 64 -o plans/70b
 """
 
 
@@ -29,8 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_pass_manager_flags(p)
     p.add_argument(
-        "model_spec", metavar="MODEL_SPEC", help="file.py:factory, package.module:factory or profile:graph.txt"
+        "model_spec",
+        metavar="MODEL_SPEC",
+        help="file.py:factory, package.module:factory, hf:config.json (a Hugging Face config) or profile:graph.txt",
     )
+    p.add_argument("--seq", type=int, metavar="N", help=f"hf: specs: the example's sequence length ({DEFAULT_SEQ})")
+    p.add_argument("--example-batch", type=int, metavar="B", help=f"hf: specs: the example's samples ({DEFAULT_BATCH})")
     p.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per optimizer step")
     p.add_argument("-o", "--output", required=True, metavar="PLAN_DIR", help="plan directory to write (atomically)")
     p.add_argument(
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             f"not '{args.schedule}'"
         )
     result = compile_plan(
-        args.model_spec,
+        _model_spec(args),
         cluster=args.cluster,
         global_batch=args.global_batch,
         planner=args.planner,
@@ -114,3 +120,15 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(result.report)
     print(f"wrote {args.output}/ (plan.dapple, plan.json, report.txt)")
     return 0
+
+
+def _model_spec(args: argparse.Namespace) -> str:
+    """The spec as the plan records it: an `hf:` spec with its config's absolute path and example shape."""
+    if is_hf_spec(args.model_spec):
+        return with_shape(args.model_spec, args.seq, args.example_batch)
+    if args.seq is not None or args.example_batch is not None:
+        raise DappleError(
+            f"--seq and --example-batch shape the example of an hf:config.json spec; {args.model_spec} builds its "
+            "own example inputs (give them the shape in its factory)"
+        )
+    return str(args.model_spec)

@@ -81,12 +81,16 @@ def capture(
     leaf_modules: LeafPolicy = None,
     source: str | None = None,
     annotate_costs: bool = True,
+    trace_device: str | None = None,
 ) -> Captured:
     """Capture `model` (with `loss_fn(output, *targets)` when given) into the IR.
 
     `example_inputs` is a tuple of tensors (a dict is taken as keyword arguments); a model without a
     loss function must return a scalar loss or a dict with a `"loss"` entry. `annotate_costs` records
     per-op FLOPs and activation bytes (`dapple_ir.frontend.flops`); a runtime that only executes can skip it.
+    `trace_device` (`cpu`, `cuda`) is the device type the model's code sees its tensors on while export traces
+    it, so that code which picks its kernels by device picks those of the device it will train on
+    (`dapple_ir.frontend.trace_device`); None: the device the tensors are on (meta for a model built there).
     """
     if method not in (*METHODS, "auto"):
         raise CaptureError(f"capture method must be fx, export or auto, not {method!r}")
@@ -99,7 +103,7 @@ def capture(
     flat = _on_model_device(model, (*args, *kwargs.values(), *targets))
     batch = _batch_of(names, flat)
     wrapper = _make_wrapper(model, loss_fn, len(args), tuple(kwargs), names)
-    gm, used, notes = trace_some_way(wrapper, flat, method, leaf_modules)
+    gm, used, notes = trace_some_way(wrapper, flat, method, leaf_modules, trace_device)
     module = build_module(gm, wrapper, used, batch, source or type(model).__name__)
     n_targets = len(targets)
     # fx renames a placeholder that shadows a builtin (`input` -> `input_1`): the graph has the last word.

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import FlopCounterMode
 
 from dapple_ir.frontend.dtypes import TORCH_DTYPE_OF
+from dapple_ir.frontend.grouped_matmul import grouped_matmul_formulas
 from dapple_ir.ir import Module, Op, TensorType
 
 #: ATen op name fragments that decide an op's efficiency class, most specific first.
@@ -168,6 +169,8 @@ class _Replay:
         self.kept: set[str] = set()  # nodes whose output some node saves for backward
         self.out_bytes: dict[str, float] = {}
         self.memo: dict[Any, _Measured] = {}
+        # Ops torch's counter does not price (a mixture of experts' grouped multiplies).
+        self.formulas = grouped_matmul_formulas()
 
     def run(self) -> None:
         placeholders = 0
@@ -320,14 +323,19 @@ class _Replay:
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         data = _DataMovement()
-        with torch.enable_grad(), hooks, FlopCounterMode(display=False) as forward_counter, data:
+        with (
+            torch.enable_grad(),
+            hooks,
+            FlopCounterMode(display=False, custom_mapping=self.formulas) as forward_counter,
+            data,
+        ):
             out = self.call(node, args, kwargs, params)
         fwd_flops = float(forward_counter.get_total_flops())
         outs = [t for t in _tensors(out) if t.requires_grad]
         internal, out_saved, saved_inputs = _charge_saved(saved, weights, outs, positions)
         bwd_flops = 0.0
         if outs and leaves:
-            with FlopCounterMode(display=False) as backward_counter:
+            with FlopCounterMode(display=False, custom_mapping=self.formulas) as backward_counter:
                 torch.autograd.grad(outs, leaves, [torch.empty_like(t) for t in outs], allow_unused=True)
             bwd_flops = float(backward_counter.get_total_flops())
         out_tensors = _tensors(out)

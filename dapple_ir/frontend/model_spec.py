@@ -10,7 +10,8 @@ and returns `(model, example_inputs)`, optionally followed by a loss function
 
 `example_inputs` is a tuple of positional tensors, or a dict of keyword arguments; a single tensor
 stands for a one-tuple. A model whose forward returns a scalar loss, or a dict with a `"loss"`
-entry, needs no loss function. `profile:path/graph.txt` names an imported per-layer profile
+entry, needs no loss function. `hf:path/config.json` names a Hugging Face config that `hf_config`
+builds with its task head and example inputs. `profile:path/graph.txt` names an imported per-layer profile
 instead of a model; `spec_loader.capture_spec` reads those without this module, which needs torch.
 
 Under `device="meta"` the factory runs inside `with torch.device("meta")`, so no weights take real
@@ -32,6 +33,8 @@ import torch
 
 from dapple_ir.errors import CaptureError
 from dapple_ir.frontend.capture import Captured, capture
+from dapple_ir.frontend.hf_config import build_from_config
+from dapple_ir.frontend.hf_spec import is_hf_spec, parse_hf_spec
 from dapple_ir.frontend.profile_import import import_profile_spec, is_profile_spec
 from dapple_ir.ir import Module
 
@@ -84,7 +87,9 @@ def _exited(exc: SystemExit) -> str:
     return f"called sys.exit({exc.code!r}), which would end the process with no message"
 
 
-def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_costs: bool = True) -> Captured:
+def capture_loaded(
+    loaded: FactoryResult, *, method: str = "auto", annotate_costs: bool = True, trace_device: str | None = None
+) -> Captured:
     """Capture what a factory returned (`capture` with the spec recorded as the source)."""
     return capture(
         loaded.model,
@@ -95,6 +100,7 @@ def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_cost
         method=method,
         source=loaded.source,
         annotate_costs=annotate_costs,
+        trace_device=trace_device,
     )
 
 
@@ -102,6 +108,9 @@ def capture_loaded(loaded: FactoryResult, *, method: str = "auto", annotate_cost
 
 
 def _resolve_factory(spec: str) -> Any:
+    if is_hf_spec(spec):
+        hf = parse_hf_spec(spec)
+        return lambda: build_from_config(hf, spec)
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise CaptureError(

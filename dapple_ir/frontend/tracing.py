@@ -30,6 +30,7 @@ from dapple_ir.frontend.module_paths import LOSS, MODEL, WRAPPER_PATH, fetch, mo
 from dapple_ir.frontend.propagation import propagate
 from dapple_ir.frontend.sizes import localise_sizes
 from dapple_ir.frontend.source_locations import caller_location
+from dapple_ir.frontend.trace_device import presenting, to_meta_literals
 
 log = logging.getLogger("dapple_ir.frontend.capture")
 
@@ -40,14 +41,19 @@ LeafPolicy = Callable[[Any, str], bool] | Collection[type] | None
 METHODS = ("fx", "export")
 
 
-def trace_some_way(wrapper: Any, flat: tuple, method: str, leaf: LeafPolicy) -> tuple[Any, str, list[str]]:
-    """(graph module, the method that worked, notes): each method of `method` in turn (both for auto)."""
+def trace_some_way(
+    wrapper: Any, flat: tuple, method: str, leaf: LeafPolicy, trace_device: str | None = None
+) -> tuple[Any, str, list[str]]:
+    """(graph module, the method that worked, notes): each method of `method` in turn (both for auto).
+
+    `trace_device`: the device type the model's code sees its meta tensors on under export (see
+    `trace_device`); fx never shows the model a tensor's device (its parameters are proxies)."""
     order = METHODS if method == "auto" else (method,)
     failures: list[MethodFailed] = []
     notes: list[str] = []
     for name in order:
         try:
-            gm = _trace_fx(wrapper, flat, leaf) if name == "fx" else _trace_export(wrapper, flat)
+            gm = _trace_fx(wrapper, flat, leaf) if name == "fx" else _trace_export(wrapper, flat, trace_device)
         except MethodFailed as failure:
             failures.append(failure)
             continue
@@ -113,7 +119,7 @@ def _trace_fx(wrapper: Any, flat: tuple, leaf: LeafPolicy) -> Any:
 # -------------------------------------------------------------------------------------- export
 
 
-def _trace_export(wrapper: Any, flat: tuple) -> Any:
+def _trace_export(wrapper: Any, flat: tuple, trace_device: str | None) -> Any:
     stack: list[str] = []
     names = {id(m): name for name, m in wrapper.named_modules()}
 
@@ -129,7 +135,7 @@ def _trace_export(wrapper: Any, flat: tuple) -> Any:
     # Dimension 0 is left symbolic where the model allows, so the graph runs at any microbatch size.
     dynamic = tuple({0: torch.export.Dim.AUTO} for _ in flat)
     try:
-        with quiet():
+        with quiet(), presenting(trace_device):
             ep = torch.export.export(wrapper, flat, dynamic_shapes=dynamic, strict=False)
     except CaptureError:
         raise
@@ -138,6 +144,7 @@ def _trace_export(wrapper: Any, flat: tuple) -> Any:
     finally:
         for hook in hooks:
             hook.remove()
+    to_meta_literals(ep.graph_module.graph, trace_device)
     return _graph_module_from_export(ep, wrapper)
 
 
