@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import select
 import sys
 import traceback
 
@@ -42,6 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The status `dapple` ends with when what reads its output closed the pipe (128 + SIGPIPE, as a shell reports it).
+CLOSED_PIPE_STATUS = 141
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on its write end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -49,7 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at the interpreter's exit
+        return status
+    except BrokenPipeError as exc:
+        if not _stdout_closed():
+            return _internal_error(exc, args.debug)
+        # As other command-line tools end on a closed pipe: quietly, with the status of a process killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        return CLOSED_PIPE_STATUS
     except DappleError as exc:
         if args.debug:
             traceback.print_exc()
@@ -59,14 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(
-            f"internal error: {type(exc).__name__}: {exc}. This is a bug in dapple-ir; rerun with "
-            "--debug for the traceback and report it.",
-            file=sys.stderr,
-        )
-        return 1
+        return _internal_error(exc, args.debug)
+
+
+def _internal_error(exc: Exception, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(exc)
+    print(
+        f"internal error: {type(exc).__name__}: {exc}. This is a bug in dapple-ir; rerun with "
+        "--debug for the traceback and report it.",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dapple_ir.cli import main
+from dapple_ir.cli import CLOSED_PIPE_STATUS, main
 from dapple_ir.cluster.spec import parse_shorthand
 from dapple_ir.cluster.toml_file import load_cluster_toml
 from dapple_ir.errors import CaptureError, ClusterError, ParseError
@@ -166,9 +169,6 @@ sys.exit(main(["opt", sys.argv[1], "-o", sys.argv[2]]))
 @pytest.mark.parametrize("body", ["x" * 20_000_000, '\\\\\\"' * 5_000_000], ids=["plain", "escapes"])
 def test_a_20_mb_string_parses_in_bounded_memory(tmp_path: Path, body: str) -> None:
     """Before: 7.4 GB and 11 s for the plain 20 MB string (a frame per character); now 190 MB and 2 s."""
-    import subprocess
-    import sys
-
     source, out = tmp_path / "long.dapple", tmp_path / "out.dapple"
     source.write_text('module @m attributes {source = "' + body + '"} {\n}\n')
     done = subprocess.run(
@@ -188,3 +188,49 @@ def test_ir_text_beyond_the_bound_is_refused_before_it_is_read(tmp_path: Path, m
         parser.read_ir_file(source)
     with pytest.raises(ParseError, match=r"<stdin>: 1,014 characters of IR text"):
         parser.parse_module(source.read_text(), "<stdin>")
+
+
+# ------------------------------------------------------------------------------ misleading ends (item 9)
+
+_EXITING_MODEL = """
+import os
+import torch
+from torch import nn
+
+{on_import}
+
+def factory():
+    os._exit(0)
+    return nn.Linear(4, 4), (torch.randn(2, 4),)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("on_import", "line"), [("", 9), ("os._exit(0)", 6)], ids=["factory", "import"])
+def test_a_model_calling_os_exit_is_an_error_naming_the_line(tmp_path: Path, on_import: str, line: int) -> None:
+    """Before: `os._exit(0)` in the model file ended `dapple compile` with status 0, no plan and no word. Run as a
+    process of its own: on the old code it would end the test run."""
+    model = tmp_path / "m.py"
+    model.write_text(_EXITING_MODEL.format(on_import=on_import))
+    argv = ["compile", f"{model}:factory", "--cluster", "2xcpu", "--global-batch", "8", "-o", str(tmp_path / "p")]
+    done = subprocess.run([sys.executable, "-m", "dapple_ir.cli", *argv], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 2, done.stderr
+    assert f"model spec {model}:factory: {model}:{line} called os._exit(0), which would end the process" in done.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`dapple simulate PLAN | head -3`. Before: "internal error: BrokenPipeError ... This is a bug", status 1."""
+    plan = tmp_path / "plan"
+    assert (
+        main(["compile", f"profile:{VGG19}", "--cluster", "2x2xV100-16GB", "--global-batch", "32", "-o", str(plan)])
+        == 0
+    )
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write fails
+    try:
+        argv = [sys.executable, "-m", "dapple_ir.cli", "simulate", str(plan), "--no-picture"]
+        done = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (CLOSED_PIPE_STATUS, "")

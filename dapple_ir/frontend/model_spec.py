@@ -24,10 +24,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -65,6 +68,11 @@ def load_model_spec(
         return import_profile_spec(spec, profile_batch)
     if device not in ("cpu", "meta"):
         raise CaptureError(f"model spec {spec}: device must be 'cpu' or 'meta', not {device!r}")
+    with _hard_exits_refused(spec):
+        return _call_factory(spec, device, seed)
+
+
+def _call_factory(spec: str, device: str, seed: int) -> FactoryResult:
     factory = _resolve_factory(spec)
     try:
         if device == "meta":
@@ -80,6 +88,37 @@ def load_model_spec(
     except Exception as exc:
         raise CaptureError(f"model spec {spec}: the factory raised {type(exc).__name__}: {exc}") from exc
     return _check_result(spec, result)
+
+
+class _HardExit(BaseException):
+    """`os._exit` called by the model spec's code (a BaseException, as SystemExit: `except Exception` passes it)."""
+
+    def __init__(self, status: object, where: str) -> None:
+        super().__init__(status, where)
+        self.status, self.where = status, where
+
+
+@contextmanager
+def _hard_exits_refused(spec: str) -> Iterator[None]:
+    """While the spec's file is imported and its factory runs, `os._exit` raises instead of ending the process:
+    it skips every handler, so `dapple compile` would end with status 0, no plan and no word (`sys.exit` is a
+    `SystemExit`, caught where the code runs). A signal the code sends itself is not caught."""
+
+    def refuse(status: object = 0) -> NoReturn:
+        caller = sys._getframe(1)
+        raise _HardExit(status, f"{caller.f_code.co_filename}:{caller.f_lineno}")
+
+    hard_exit = os._exit
+    os._exit = refuse
+    try:
+        yield
+    except _HardExit as exc:
+        raise CaptureError(
+            f"model spec {spec}: {exc.where} called os._exit({exc.status!r}), which would end the process at once "
+            f"with no message; {_SHAPE_HINT}, it must not exit"
+        ) from None
+    finally:
+        os._exit = hard_exit
 
 
 def _exited(exc: SystemExit) -> str:
