@@ -60,6 +60,26 @@ def test_a_nan_in_a_cluster_file_names_its_field(tmp_path: Path, line: str, fiel
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        (
+            "memory_bytes = 1e29",
+            "'device_kinds.k.memory_bytes' is 1e+29, beyond any real cluster (1e+06 to 1e+18 bytes)",
+        ),
+        ("[fabric]\nlatency = 1e6", "'fabric.latency' is 1e+06, beyond any real cluster (0 to 1 s or 0)"),
+        ("[fabric]\nbandwidth = 1e-20", "'fabric.bandwidth' is 1e-20, beyond any real cluster (1000 to 1e+16 B/s)"),
+        ("peak_flops = { bf16 = 1e30 }", "'device_kinds.k.peak_flops.bf16' is 1e+30, beyond any real cluster"),
+        ("reduce_per_byte = 5.0", "'device_kinds.k.reduce_per_byte' is 5, beyond any real cluster (0 to 0.001 s per"),
+    ],
+)
+def test_a_cluster_figure_out_of_range_names_its_field(tmp_path: Path, line: str, needle: str) -> None:
+    """Before: memory 1e29, latency 1e6 or a bandwidth of 1e-20 passed, and the ILP planner crashed (TypeError)."""
+    with pytest.raises(ClusterError) as info:
+        load_cluster_toml(_cluster(tmp_path, _KIND + line + "\n"))
+    assert needle in str(info.value)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field", ["wake_overhead", "op_overhead"])
 def test_compile_with_a_nan_cluster_field_blames_the_field_not_the_ir(

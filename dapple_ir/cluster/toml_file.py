@@ -54,6 +54,7 @@ from typing import Any
 from dapple_ir.cluster.spec import (
     FABRICS,
     MACHINES,
+    MAX_BUSY_RECEIVE_SLOWDOWN,
     MAX_DEVICES,
     PRESETS,
     ClusterSpec,
@@ -147,8 +148,11 @@ class _Reader:
             raise self.error(field, f"must be {kind}, not {value!r}: every figure of a cluster is finite")
         if value < 0 or (value == 0 and not allow_zero):
             raise self.error(field, f"must be {kind}, not {value!r}")
-        if value > _MAX_NUMBER:
-            raise self.error(field, f"is {value:.3g}, beyond any real cluster (at most {_MAX_NUMBER:.3g})")
+        low, high, unit = _range_of(field)
+        if value > high or (value < low and value != 0):
+            raise self.error(
+                field, f"is {value:.3g}, beyond any real cluster ({low:g} to {high:g}{unit}{' or 0' * allow_zero})"
+            )
         return float(value)
 
     def table(self, value: object, field: str) -> dict[str, Any]:
@@ -157,8 +161,34 @@ class _Reader:
         return value
 
 
-#: The largest number any field takes (a bandwidth in B/s or a rate in FLOP/s stays far below it).
+#: The largest number a field without a range of its own takes (counts: nodes, devices, cores).
 _MAX_NUMBER = 1e30
+#: (least, most, unit) of a figure, by its key (a peak FLOP/s by its table): far beyond any real device or link on
+#: either side, and within what the planner's integer models hold (a memory of 1e29 bytes, a latency of 1e6 s or
+#: a bandwidth of 1e-20 B/s overflowed them).
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "memory_bytes": (1e6, 1e18, "bytes"),
+    "mem_bandwidth": (1e6, 1e16, "B/s"),
+    "peak_flops": (1e6, 1e21, "FLOP/s"),
+    "bandwidth": (1e3, 1e16, "B/s"),
+    "latency": (0.0, 1.0, "s"),
+    "op_overhead": (0.0, 1.0, "s"),
+    "instruction_overhead": (0.0, 1.0, "s"),
+    "message_overhead": (0.0, 1.0, "s"),
+    "wake_overhead": (0.0, 1.0, "s"),
+    "split_backward_overhead": (0.0, 1.0, "s"),
+    "split_backward_per_byte": (0.0, 1e-3, "s per byte"),
+    "reduce_per_byte": (0.0, 1e-3, "s per byte"),
+    "busy_receive_slowdown": (1.0, MAX_BUSY_RECEIVE_SLOWDOWN, "times"),
+}
+
+
+def _range_of(field: str) -> tuple[float, float, str]:
+    """The range of a field (`device_kinds.x.peak_flops.f32` by `peak_flops`), else (0, _MAX_NUMBER)."""
+    parts = field.split(".")
+    key = parts[-2] if len(parts) > 1 and parts[-2] == "peak_flops" else parts[-1]
+    low, high, unit = _RANGES.get(key, (0.0, _MAX_NUMBER, ""))
+    return low, high, f" {unit}" if unit else ""
 
 
 def resolve_cluster(text: str) -> ClusterSpec:
