@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     BertConfig,
     BertForMaskedLM,
     GPT2Config,
@@ -20,6 +22,8 @@ from transformers import (
     Qwen2MoeForCausalLM,
     ViTConfig,
     ViTForImageClassification,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
 )
 
 VOCAB, SEQ, BATCH = 128, 16, 4
@@ -114,3 +118,53 @@ def qwen2_moe() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     )
     ids = _tokens()
     return Qwen2MoeForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}
+
+
+def bart() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """BART: an encoder-decoder with learned positions; the decoder's inputs come from the labels shifted
+    right from its start token. Token ids stay clear of the special ids 0-2 the shrunken vocabulary keeps."""
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    return BartForConditionalGeneration(config), {"input_ids": ids, "labels": torch.randint(3, VOCAB, (BATCH, SEQ))}
+
+
+def whisper() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Whisper: a speech encoder (two convolutions over 16 mel bins of 32 frames, then attention) and a text
+    decoder trained on 8 label tokens."""
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=16,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=16,
+        max_target_positions=32,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )
+    features = torch.randn(BATCH, 16, 32)
+    labels = torch.randint(2, VOCAB, (BATCH, 8))
+    return WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}
