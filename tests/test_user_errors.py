@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,14 @@ def test_running_a_profile_plan(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert "can be planned and simulated" in message and "not run" in message
 
 
+@pytest.fixture(scope="module")
+def two_rank_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plans") / "mlp2"
+    argv = ["compile", "examples/mlp.py:factory", "--cluster", "1x2xcpu", "--global-batch", "8", "--stages", "2"]
+    assert main([*argv, "-o", str(out)]) == 0
+    return out
+
+
 def test_missing_torchrun(capsys: pytest.CaptureFixture[str], cpu_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed
 
@@ -172,6 +181,43 @@ def test_port_in_use(capsys: pytest.CaptureFixture[str], cpu_plan: Path) -> None
         port = busy.getsockname()[1]
         message = _error(capsys, "run", str(cpu_plan), "--steps", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
     assert f"port {port} of the rendezvous endpoint 127.0.0.1:{port} is already in use" in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        # Issue 47 item 9: a one-node run waited 128 s and blamed the rendezvous.
+        (["--node-rank", "5"], "node rank 5 is not a node of this run: the node rank must be at least 0 and less"),
+        (["--node-rank", "5"], "run on 1 node(s) (--nnodes 1), numbered 0 to 0"),
+        (["--node-rank", "-1", "--nnodes", "2"], "node rank -1 is not a node of this run"),
+        (["--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT, the same on every node"),
+        (["--nnodes", "4"], "the plan's 2 ranks do not divide evenly over 4 nodes"),
+        (
+            ["--transport", "threads", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--transport threads runs every rank as a thread of this process, on this machine, so --nnodes 2, "
+            "--rdzv-endpoint 127.0.0.1:29400 has no meaning there",
+        ),
+        (["--transport", "threads", "--listen-host", "127.0.0.1"], "so --listen-host 127.0.0.1 has no meaning"),
+    ],
+)
+def test_launch_options_that_cannot_work_are_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], two_rank_plan: Path, flags: list[str], needle: str
+) -> None:
+    start = time.monotonic()
+    message = _error(capsys, "run", str(two_rank_plan), "--steps", "1", "--timeout", "5", *flags)
+    assert needle in message
+    assert time.monotonic() - start < 30  # no torchrun started, no watchdog waited
+
+
+def test_cuda_under_torchrun_needs_a_gpu_per_rank(
+    capsys: pytest.CaptureFixture[str], two_rank_plan: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    message = _error(capsys, "run", str(two_rank_plan), "--steps", "1", "--device", "cuda")
+    assert "device cuda under torchrun gives each of this node's 2 ranks a GPU of its own, but torch sees 1" in message
 
 
 EXITING = """

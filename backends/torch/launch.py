@@ -35,7 +35,7 @@ from dapple_ir.backends.torch.torchrun import check_torchrun_can_start, run_torc
 from dapple_ir.backends.torch.watchdog import STOP_GRACE_S, WATCHDOG_SLACK_S
 from dapple_ir.backends.torch.worker import RunOptions, check_checkpoints, check_rank_file, resolve_optimizer
 from dapple_ir.errors import DappleError
-from dapple_ir.plan_dir import RUN_DIR, RUN_FILES, load_plan
+from dapple_ir.plan_dir import RUN_DIR, RUN_FILES, Plan, load_plan
 
 #: What callers import from here: `run` and what it returns and raises, and names kept importable from here
 #: since the launcher was one module (`dapple_ir.commands.run`, the tests).
@@ -86,9 +86,9 @@ def run(
     if steps < 1:
         raise DappleError(f"steps must be at least 1, not {steps}")
     plan = load_plan(plan_dir)
+    _refuse_bad_launch(plan, transport, nnodes, node_rank, check, rdzv_endpoint, listen_host)
     opt, rate = resolve_optimizer(plan, optimizer, lr)
     out = Path(run_dir) if run_dir is not None else plan.dir / RUN_DIR
-    _clean(out)
     options = RunOptions(
         steps=steps,
         optimizer=opt,
@@ -97,23 +97,18 @@ def run(
         run_dir=str(out),
         save=str(save) if save is not None else None,
         resume=str(resume) if resume is not None else None,
-        device=_pick_device(device, transport, plan.ranks // max(nnodes, 1)),
+        device=_pick_device(device, transport, plan.ranks // nnodes),
         check=check,
         save_every=save_every,
         pin_cores=pin,
     )
-    if transport not in ("threads", "torchrun"):
-        raise DappleError(f"unknown transport '{transport}'; choose torchrun or threads")
-    if nnodes < 1 or plan.ranks % nnodes:
-        raise DappleError(f"the plan's {plan.ranks} ranks do not divide evenly over {nnodes} nodes")
-    if check and nnodes > 1:
-        raise DappleError("--check compares every rank's parameters, so it needs all ranks on one node (nnodes = 1)")
     for rank in range(plan.ranks):
         check_rank_file(plan, rank)  # refuse a stale or edited rank file before starting any process
     check_checkpoints(plan, options)  # an unwritable --save or a bad --resume, before anything trains
     if transport == "torchrun":
         check_torchrun_can_start()
         endpoint = resolve_endpoint(rdzv_endpoint, listen_host)
+    _clean(out)  # only now: a refused run leaves the last run's reports as they were
     # Threads share this process's cores: one intra-op pool per rank would oversubscribe them, and
     # spinning pools on a busy machine run many times slower than a single thread each. The reference
     # runs with the ranks' thread count too: CPU kernels then split their sums alike and round alike.
@@ -127,6 +122,50 @@ def run(
         if check:
             result.check = compare_with_reference(plan, result, opt, rate)
     return result
+
+
+def _refuse_bad_launch(
+    plan: Plan,
+    transport: str,
+    nnodes: int,
+    node_rank: int,
+    check: bool,
+    rdzv_endpoint: str | None,
+    listen_host: str | None,
+) -> None:
+    """Refuse, before anything starts, where and how to run that cannot work: each would otherwise start torchrun
+    and end only when the watchdog gave up on a rendezvous no node can complete, or train the plan twice."""
+    if transport not in ("threads", "torchrun"):
+        raise DappleError(f"unknown transport '{transport}'; choose torchrun or threads")
+    if nnodes < 1 or plan.ranks % nnodes:
+        raise DappleError(f"the plan's {plan.ranks} ranks do not divide evenly over {nnodes} nodes")
+    if not 0 <= node_rank < nnodes:
+        raise DappleError(
+            f"node rank {node_rank} is not a node of this run: the node rank must be at least 0 and less than the "
+            f"node count, and the plan's {plan.ranks} ranks run on {nnodes} node(s) (--nnodes {nnodes}), numbered "
+            f"0 to {nnodes - 1}; give each node its own --node-rank, or --nnodes as many as take part"
+        )
+    torchrun_only = [
+        flag
+        for flag, given in (
+            (f"--nnodes {nnodes}", nnodes > 1),
+            (f"--rdzv-endpoint {rdzv_endpoint}", bool(rdzv_endpoint)),
+            (f"--listen-host {listen_host}", bool(listen_host)),
+        )
+        if given
+    ]
+    if transport == "threads" and torchrun_only:
+        raise DappleError(
+            f"--transport threads runs every rank as a thread of this process, on this machine, so "
+            f"{', '.join(torchrun_only)} has no meaning there; leave it out, or use --transport torchrun"
+        )
+    if nnodes > 1 and not rdzv_endpoint:
+        raise DappleError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node: without it node 0's "
+            "rendezvous listens on loopback at a port of its choosing, where no other node can reach it"
+        )
+    if check and nnodes > 1:
+        raise DappleError("--check compares every rank's parameters, so it needs all ranks on one node (nnodes = 1)")
 
 
 @contextmanager
@@ -148,9 +187,16 @@ def _worker_threads() -> int:
 
 
 def _pick_device(device: str, transport: str, per_node: int) -> str:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DappleError("device cuda was asked for but torch sees no CUDA device")
+    if device == "cuda" and transport == "torchrun" and torch.cuda.device_count() < per_node:
+        # Each torchrun worker takes the GPU of its local rank: one past the last would fail in every such rank.
+        raise DappleError(
+            f"device cuda under torchrun gives each of this node's {per_node} ranks a GPU of its own, but torch "
+            f"sees {torch.cuda.device_count()} CUDA device(s) here; run the plan on more nodes (--nnodes), on the "
+            "CPU (--device cpu), or in one process (--transport threads)"
+        )
     if device in ("cpu", "cuda"):
-        if device == "cuda" and not torch.cuda.is_available():
-            raise DappleError("device cuda was asked for but torch sees no CUDA device")
         return device
     if device != "auto":
         raise DappleError(f"unknown device '{device}'; choose auto, cpu or cuda")
