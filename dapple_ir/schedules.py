@@ -35,6 +35,40 @@ class Work:
     mb: int
 
 
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Bytes one microbatch of a stage holds on its rank, and when, as the static peak counts them.
+
+    The defaults weigh a microbatch in flight (forward done, not yet released) as one, and nothing else.
+    """
+
+    static: float = 0.0
+    """Parameters, gradients and optimizer state of the rank's stages: held whatever the order."""
+    activation: float = 1.0
+    """Kept from the forward to the release (backward, or backward_weight when split): the stage's activations
+    (a recomputing stage's inputs)."""
+    received: float = 0.0
+    """The inputs it receives for a forward, from one compute before it (receives are posted that far ahead)
+    to the release."""
+    gradient: float = 0.0
+    """The gradients of its outputs it receives for a backward (or backward_input), from one compute before it
+    to the release."""
+    weight_pass: float = 0.0
+    """From backward_input to backward_weight: the gradients the weight passes restart from."""
+    rerun: float = 0.0
+    """A recomputing stage's rerun activations: while its backward runs, until backward_weight when split."""
+
+    def incoming(self, kind: InstrKind) -> float:
+        """Bytes received for work of `kind`."""
+        return self.received if kind is F else self.gradient if kind in (B, BI) else 0.0
+
+    def kept(self, kind: InstrKind) -> float:
+        """Bytes work of `kind` keeps once done (negative: releases), its receives aside."""
+        every = self.activation + self.received + self.gradient
+        split = self.weight_pass + self.rerun
+        return {F: self.activation, B: -every, BI: split, BW: -(every + split)}[kind]
+
+
 @dataclass(frozen=True)
 class ScheduleRequest:
     """The pipeline a schedule orders work for."""
@@ -45,6 +79,9 @@ class ScheduleRequest:
     """Microbatches per step (M), over all replicas."""
     virtual: int = 1
     """Virtual stages per device group (interleaved schedules)."""
+    memory: tuple[StageMemory, ...] = ()
+    """What a microbatch of each stage holds on its rank, in pipeline order (`peak_memory.stage_memory`), for
+    schedules that weigh orders by bytes (zb-h1); empty: every microbatch in flight weighs one."""
 
     @property
     def stages(self) -> int:
@@ -66,6 +103,9 @@ class ScheduleRequest:
 
     def group_stages(self, group: int) -> list[int]:
         return list(range(group, self.stages, self.groups))
+
+    def stage_memory(self, stage: int) -> StageMemory:
+        return self.memory[stage] if self.memory else StageMemory()
 
 
 ScheduleFn = Callable[[ScheduleRequest], dict[int, list[Work]]]
@@ -177,14 +217,21 @@ def _zb_order(stage: int, request: ScheduleRequest, defer: int, replicas: int = 
     return order + [Work(BW, stage, mb) for mb in pending]
 
 
-def _replica_peak(order: list[Work], request: ScheduleRequest, stage: int) -> int:
-    """Most microbatches any replica of `stage` holds (forward done, activations not yet released)."""
-    r = request.replicas[stage]
-    live, peak = [0] * r, 0
-    for w in order:
-        live[w.mb % r] += 1 if w.kind is F else -1 if w.kind in (B, BW) else 0
-        peak = max(peak, live[w.mb % r])
-    return peak
+def _replica_peak(order: list[Work], request: ScheduleRequest, stage: int) -> float:
+    """Most bytes (`StageMemory`; by default microbatches in flight) the rank of any replica of `stage` holds."""
+    r, cost = request.replicas[stage], request.stage_memory(stage)
+    peak = 0.0
+    for j in range(r):
+        mine = [w.kind for w in order if w.mb % r == j]
+        if not mine:
+            continue  # a replica with no microbatch (the planner asks about R > M too)
+        live = cost.incoming(mine[0])
+        for kind, ahead in zip(mine, [*mine[1:], BW], strict=True):
+            live += cost.incoming(ahead)  # the next compute's receives, posted before this one runs
+            transient = cost.rerun if kind is B else 0.0
+            peak = max(peak, live + max(cost.kept(kind), 0.0) + transient)
+            live += cost.kept(kind)
+    return cost.static + peak
 
 
 @register_schedule("zb-h1")
@@ -192,8 +239,11 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
     """Zero Bubble H1: 1f1b's forwards and input-gradient passes; stage s defers up to s weight passes.
 
     Deferred W passes fill the bubbles that waiting for gradients leaves. Activations live from F to W,
-    so deferring raises a stage's hold; each stage defers the most it can while no rank holds more
-    microbatches than the fullest 1f1b rank does (min(S, M) unreplicated, the ZB paper's bound).
+    so deferring raises a stage's hold; each stage defers the most it can while its rank holds no more than
+    the fullest 1f1b rank does (the ZB paper's bound: min(S, M) microbatches when stages weigh alike). Weighed
+    in bytes (`request.memory`), a deferred W holds more than a microbatch in flight: the input pass keeps the
+    whole activation and adds the gradients the weight pass restarts from (docs/runtime.md, "How far zb-h1
+    defers"). A stage that cannot even split its backward within the bound runs 1f1b's whole backwards.
     With R replicas in every stage, the R pipelines over the microbatches m % R == j are independent:
     the group-wide order warms up with (S - s) R microbatches and defers up to s R weight passes, so
     each replica sees ZB-H1's order over its own microbatches.
@@ -203,10 +253,8 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
     r = _uniform_replicas(request)
     orders: dict[int, list[Work]] = {}
     for s in range(request.stages):
-        for defer in range(s * r, -1, -1):
-            orders[s] = _zb_order(s, request, defer, r)
-            if _replica_peak(orders[s], request, s) <= cap:
-                break
+        fits = (_zb_order(s, request, d, r) for d in range(s * r, -1, -1))
+        orders[s] = next((o for o in fits if _replica_peak(o, request, s) <= cap), ref[s])
     return orders
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dapple_ir import schedules
 from dapple_ir.analysis.lowering import lowered_programs
+from dapple_ir.analysis.peak_memory import stage_memory
 from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
@@ -54,7 +55,9 @@ class Schedule(Pass):
         _place(module.stages, groups)
         device_slots = _device_slots(module.stages, groups)
         # Every replica of a split stage runs every microbatch (on its rows): the schedule sees one.
-        request = schedules.ScheduleRequest(tuple(1 if s.split else s.replicas for s in module.stages), m, virtual)
+        replicas = tuple(1 if s.split else s.replicas for s in module.stages)
+        # Weighed in the bytes the static peak counts, so zb-h1 defers weight passes only as far as 1f1b's peak.
+        request = schedules.ScheduleRequest(replicas, m, virtual, stage_memory(module))
         if self.from_:
             orders = schedules.load_order_csv(self.from_, [s.name for s in module.stages])
             module.attrs.schedule = f"from:{self.from_}"

@@ -208,11 +208,13 @@ def test_peak_bytes_match_hand_computation() -> None:
 def test_zero_bubble_keeps_the_weight_pass_gradients_until_the_free() -> None:
     # 2 stages x 2 layers, f32[8,16] outputs (512 B). Stage s0 reads only data: its weight pass is its whole
     # backward and keeps nothing. Stage s1 receives h1: backward_input keeps the gradient into each of its
-    # two weight-reading layers (2 * 512) until `free @s1`; the loss reads no weight.
+    # two weight-reading layers (2 * 512) until `free @s1`; the loss reads no weight. Its layers keep 128 B of
+    # activations each: with 512, holding those gradients would lift rank 1 above rank 0's 1f1b peak, and zb-h1
+    # would run whole backwards there.
     module = chain_module([2, 2])
     s0, s1 = module.stages
     assert (weight_pass_bytes(module, s0), weight_pass_bytes(module, s1)) == (0.0, 1024.0)
-    zb = _run(chain_module([2, 2]), f"schedule{{kind=zb-h1,microbatches=4}},{_FULL}")
+    zb = _run(chain_module([2, 2], act=[512.0, 128.0]), f"schedule{{kind=zb-h1,microbatches=4}},{_FULL}")
     changes = _own_changes(zb, 1)
     instrs = zb.programs[1].instrs
     inputs = [i for i, instr in enumerate(instrs) if instr.kind is InstrKind.BACKWARD_INPUT]

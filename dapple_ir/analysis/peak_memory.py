@@ -24,7 +24,9 @@ from typing import Any
 
 from dapple_ir.analysis import memory
 from dapple_ir.analysis.lowering import early_post_points
+from dapple_ir.analysis.stage_graph import crossings, values_needing_grad
 from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
+from dapple_ir.schedules import StageMemory
 
 
 def transfer_bytes(module: Module, value: Op, rows: tuple[int, int] | None = None) -> float:
@@ -375,6 +377,37 @@ def peak_bytes_per_rank(module: Module) -> dict[int, float]:
     """Static peak memory of every rank, by rank."""
     sizes = Sizes(module)
     return {index: program_peak(module, p, sizes).total for index, p in enumerate(module.programs)}
+
+
+def stage_memory(module: Module, sizes: Sizes | None = None) -> tuple[StageMemory, ...]:
+    """What one microbatch of each stage holds on its first replica's rank, in pipeline order, as this module
+    counts it: the bytes a schedule weighs its orders by (`ScheduleRequest.memory`). Needs placed stages (the
+    rank's static bytes are those of every stage on the same devices)."""
+    sizes = sizes or Sizes(module)
+    share = _share(module, 0)
+    received = dict.fromkeys(module.stages, 0.0)
+    gradients = dict.fromkeys(module.stages, 0.0)
+    carry_grad = values_needing_grad(module)
+    for c in crossings(module):
+        received[c.consumer] += share(c.consumer) * sizes.transferred(c.value)
+        if c.value in carry_grad:
+            gradients[c.producer] += share(c.producer) * sizes.transferred(c.value)
+    found = []
+    for stage in module.stages:
+        mates = [s for s in module.stages if s.attrs.devices == stage.attrs.devices]
+        kept = sizes.loaded(stage) if stage.recompute else sizes.activation(stage)
+        rerun = _rerun_bytes(sizes, stage) if stage.recompute else 0.0
+        found.append(
+            StageMemory(
+                static=sizes.static_of(mates),
+                activation=share(stage) * kept,
+                received=received[stage],
+                gradient=gradients[stage],
+                weight_pass=share(stage) * sizes.weight_pass(stage),
+                rerun=share(stage) * rerun,
+            )
+        )
+    return tuple(found)
 
 
 def activation_peak_microbatches(program: RankProgram) -> int:
