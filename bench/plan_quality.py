@@ -17,7 +17,7 @@ holds more) and every example model (its large builder, captured on the meta dev
   happen when the solver stopped early or our plan uses another placement policy); it is a gap to the
   optimum only where the status says "optimal";
 - card floor: the bytes our plan's cuts and allreduces put on its busiest network card per
-  iteration over the card's bandwidth (`dapple_ir.planner.traffic`): no iteration is shorter;
+  iteration over the card's bandwidth (`dapple_ir.pricing.traffic`): no iteration is shorter;
 - 15+1: for VGG-19 on the V100 clusters, the plan issue 16 names (the convolutions data parallel on
   15 devices, the classifier on the 16th), simulated at its best microbatch count.
 

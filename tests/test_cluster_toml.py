@@ -12,6 +12,7 @@ from dapple_ir.cluster.spec import DEFAULT_EFFICIENCY, MACHINES, PRESETS, Cluste
 from dapple_ir.cluster.toml_file import cluster_to_toml, load_cluster_toml, resolve_cluster
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import ClusterError
+from dapple_ir.pricing.collectives import allreduce_s
 
 
 def _write(tmp_path: Path, text: str) -> str:
@@ -97,7 +98,7 @@ def test_a_spec_without_a_network_gives_every_device_its_own_wire() -> None:
     paths = [network.path(a, b) for a in range(4) for b in range(4) if a != b]
     assert all(len(p) == 2 for p in paths)
     assert network.path(0, 2)[0] != network.path(1, 3)[0]
-    assert network.allreduce_s(1e9, [0, 1, 2, 3]) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9 + 2 * 3 * 1e-5)
+    assert allreduce_s(network, 1e9, [0, 1, 2, 3]) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9 + 2 * 3 * 1e-5)
 
 
 def test_custom_heterogeneous_cluster(tmp_path: Path) -> None:

@@ -31,13 +31,14 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": _BASE | {"ir"},
     "schedules": _BASE | {"ir"},
     "analysis": _BASE | {"ir", "cluster", "schedules"},
-    "planner": _BASE | {"ir", "cluster", "schedules", "analysis"},
-    "sim": _BASE | {"ir", "cluster", "schedules", "analysis", "plan_dir"},
+    "pricing": _BASE | {"ir", "cluster", "schedules", "analysis"},
+    "planner": _BASE | {"ir", "cluster", "schedules", "analysis", "pricing"},
+    "sim": _BASE | {"ir", "cluster", "schedules", "analysis", "plan_dir", "pricing"},
     "registry": _BASE | {"ir"},
     "plugins": _BASE | {"ir", "registry"},
     "pass_manager": _BASE | {"ir", "registry", "plugins"},
-    "passes": _BASE | {"ir", "cluster", "schedules", "analysis", "planner", "sim", "registry"},
-    "frontend": _BASE | {"ir", "cluster"},
+    "passes": _BASE | {"ir", "cluster", "schedules", "analysis", "pricing", "planner", "sim", "registry"},
+    "frontend": _BASE | {"ir", "cluster", "pricing"},
     "backends": _BASE | {"ir", "analysis", "plan_dir", "sim", "frontend"},
 }
 #: The top: may import anything.

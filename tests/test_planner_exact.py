@@ -223,7 +223,9 @@ def test_unhidden_allreduce_and_transfer_by_hand() -> None:
     busy0, busy1 = 2 * (f + b), 4 * (f + b)
     g = max(busy0, f + b + 2 * c + busy1)
     ar = 2 * 1 / 2 * 1e9 / 25e9 + 2 * 5e-6  # ring over two devices of node 0 (25 GB/s ports)
-    h = ar  # stage 0 is first: nothing of the drain hides it
+    # Then Adam's step streams parameters, gradients and both moments once: 7 bytes per parameter byte.
+    step = 7 * 1e9 / cluster.device(0).mem_bandwidth
+    h = ar + step  # stage 0 is first: nothing of the drain hides it
     assert est.pipeline_s == pytest.approx(g)
     assert est.iteration_s == pytest.approx(g + max(0.0, h))
     # Card floor: all 4 activations leave through node 0's card, all 4 gradients come back in.
@@ -242,7 +244,10 @@ def test_card_floor_bounds_the_estimate_by_hand() -> None:
     step = 2 * 3 / 4 * 8e9
     assert est.floor_s == pytest.approx(step / (25e9 / 8))
     # The ring alone: its slowest steps cross the cards (one step each), 6 rounds of 20 us latency.
-    assert est.allreduce_tail_s == pytest.approx(step / (25e9 / 8) + 6 * 20e-6)
+    # The ring alone: its slowest steps cross the cards (one step each), 6 rounds of 20 us latency; then
+    # Adam's step over the 8e9 parameter bytes (7 bytes streamed per parameter byte).
+    adam = 7 * 8e9 / cluster.device(0).mem_bandwidth
+    assert est.allreduce_tail_s == pytest.approx(step / (25e9 / 8) + 6 * 20e-6 + adam)
     assert est.iteration_s >= est.floor_s
 
 

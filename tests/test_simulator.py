@@ -33,6 +33,7 @@ from dapple_ir.ir import (
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.verifier import verify_module
+from dapple_ir.pricing.collectives import allreduce_s
 from dapple_ir.sim.simulator import SimulationResult, simulate
 
 F, B, BI, W = InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT
@@ -746,14 +747,14 @@ def test_allreduce_waits_for_the_whole_group() -> None:
     ends = [e.end_s for e in late.events() if e.instr.kind is InstrKind.ALLREDUCE]
     assert ends == pytest.approx([6.0 + ring + 0.25] * 2)
     # A host that reduces at 1e-7 s a byte (`reduce_per_byte`): each of the 2 members reduces half the 4e6 B, so the
-    # ring ends 0.2 s later; the cost model's ring (`Network.allreduce_s`) says the same.
+    # ring ends 0.2 s later; the cost model's ring (`pricing.collectives.allreduce_s`) says the same.
     reducing = dataclasses.replace(small_cluster().node_kinds[0], reduce_per_byte=1e-7)
     reduced = dataclasses.replace(cluster, node_kinds=(reducing, reducing))
     summed = simulate(module, cluster=reduced)
     ends = [e.end_s for e in summed.events() if e.instr.kind is InstrKind.ALLREDUCE]
     assert ends == pytest.approx([6.0 + ring + 0.2] * 2)
-    assert Network(reduced).allreduce_s(4e6, [0, 2]) == pytest.approx(ring + 0.2)
-    assert Network(cluster).allreduce_s(4e6, [0, 2]) == pytest.approx(ring)
+    assert allreduce_s(Network(reduced), 4e6, [0, 2]) == pytest.approx(ring + 0.2)
+    assert allreduce_s(Network(cluster), 4e6, [0, 2]) == pytest.approx(ring)
 
 
 def test_send_does_not_block_the_sender() -> None:

@@ -30,7 +30,7 @@ from dapple_ir.planner.cost_model import (
 )
 from dapple_ir.planner.dp import replica_choices, solve
 from dapple_ir.planner.search import Request, search
-from dapple_ir.planner.traffic import cut_crossings, cut_pieces, cut_s
+from dapple_ir.pricing.traffic import cut_crossings, cut_pieces, cut_s
 from dapple_ir.registry import PassContext
 from tests.planner_cases import captured, vgg19_search
 from tests.test_planner_exact import _problem
@@ -245,7 +245,7 @@ def test_vgg19_fifteen_plus_one_split_runs_near_its_compute_floor(global_batch: 
             pf, pb = problem.times_at(stage_rows(b, st.replicas, cand.splits(k)))
             work.append(pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo])
         # The convolutions' gradient allreduce over both servers' cards follows their last backward.
-        ring = problem.network.allreduce_s(problem.pg[tail], stages[0].devices)
+        ring = problem.allreduce_s(problem.pg[tail], stages[0].devices)
         compute = max(m * w + sum(work) - w for w in work)
         simulated, _peak = lower_and_simulate(module, problem, cand)
         assert compute <= simulated <= (compute + ring) * 1.15, (m, compute, ring, simulated)

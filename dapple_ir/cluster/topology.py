@@ -11,13 +11,12 @@ transfer from device a to device b crosses
 
 `Network` numbers the links and answers paths; the simulator shares the links between the flows
 crossing them (`dapple_ir.sim.link_sharing`) and the planner adds up what each link carries per
-iteration (`dapple_ir.planner.cost_model`). Both use `ring` for a ring allreduce, whose closed form
-for a ring alone is `allreduce_s`.
+iteration (`dapple_ir.planner.cost_model`). Both use `ring` for a ring allreduce, priced once in
+`dapple_ir.pricing.collectives`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +44,9 @@ class Network:
     _card_in: list[int] = field(default_factory=list)
     _paths: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     _cards: list[int] = field(default_factory=list)
+    memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    """Prices the layers above work out per device group and keep for the network's life
+    (`dapple_ir.pricing.collectives.ring_allreduce`)."""
 
     def __post_init__(self) -> None:
         spec = self.cluster
@@ -104,35 +106,3 @@ class Network:
         if len(order) < 2:
             return []
         return [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
-
-    def ring_load(self, devices: Sequence[int]) -> Counter[int]:
-        """How many of the ring's steps cross each link."""
-        counts: Counter[int] = Counter()
-        for a, b in self.ring(devices):
-            counts.update(self.path(a, b))
-        return counts
-
-    def ring_latency(self, devices: Sequence[int]) -> float:
-        """Latency of one step of the ring: its slowest hop's."""
-        return max((self.latency(a, b) for a, b in self.ring(devices)), default=0.0)
-
-    def allreduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
-        """A ring allreduce alone on the network: each of the n steps sends 2(n-1)/n of the bytes, the
-        links share equally among the steps that cross them, and each of the 2(n-1) rounds pays the
-        slowest hop's latency. The ring ends when its slowest step does, and its members have reduced
-        their (n-1)/n of the bytes on the host (`reduce_s`)."""
-        n = len(set(devices))
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        per_step = 2 * (n - 1) / n * nbytes
-        slowest = max(count / self.links[k].bandwidth for k, count in self.ring_load(devices).items())
-        return per_step * slowest + 2 * (n - 1) * self.ring_latency(devices) + self.reduce_s(nbytes, devices)
-
-    def reduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
-        """The host's time in a ring allreduce of `nbytes` over `devices` beyond the links: each member reduces
-        (n-1)/n of the bytes at its device kind's `reduce_per_byte`; the ring waits for the slowest."""
-        members = set(devices)
-        n = len(members)
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        return (n - 1) / n * nbytes * max(self.cluster.device(d).reduce_per_byte for d in members)

@@ -36,6 +36,7 @@ from dapple_ir.cluster.spec import DEFAULT_LINKS, MAX_BUSY_RECEIVE_SLOWDOWN, Clu
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profiler import Timer
+from dapple_ir.pricing.collectives import allreduce_s
 
 #: Rounds of the alone-then-shared matmul timing whose median ratio gives a CPU rank its share (`_shared_rate`).
 _SHARED_ROUNDS = 7
@@ -156,9 +157,9 @@ def measure_cpu_link() -> tuple[Link, float, float]:
 
     Two fresh processes (torch's spawn), each with half the cores, bounce a 4-byte and a 16 MiB tensor back and
     forth, and allreduce the 16 MiB tensor: what the allreduce takes beyond its ring on the measured link
-    (`Network.allreduce_s`: 16 MiB at its bandwidth and two latencies) is the hosts' reduction, per byte of the
-    half each member reduces. Then the sender sends `_BUSY_BYTES` and computes, while the receiver, its receive
-    posted, either waits (the transfer's time T) or first computes for D and then waits w: the transfer moved
+    (`pricing.collectives.allreduce_s`: 16 MiB at its bandwidth and two latencies) is the hosts' reduction, per
+    byte of the half each member reduces. Then the sender sends `_BUSY_BYTES` and computes, while the receiver, its
+    receive posted, either waits (the transfer's time T) or first computes for D and then waits w: the transfer moved
     T - w while it computed, so it moves D / (T - w) times slower then. Every wait is bounded, and a machine where
     the processes cannot meet keeps the default link, no slowdown and no reduction price, with a note on stderr.
     """
@@ -188,7 +189,7 @@ def measure_cpu_link() -> tuple[Link, float, float]:
     slowdown = busy_s / moved if moved > busy_s / top else top
     link = Link(_BULK_BYTES / max(bulk_s / 2 - latency, 1e-9), latency)
     alone = DeviceKind("cpu", 0.0, {}, 0.0)  # no price of its own: the ring on the measured link only
-    ring = Network(ClusterSpec((alone,), 2, link, link)).allreduce_s(_BULK_BYTES, [0, 1])
+    ring = allreduce_s(Network(ClusterSpec((alone,), 2, link, link)), _BULK_BYTES, [0, 1])
     return link, min(top, max(1.0, slowdown)), max(0.0, (reduce_s - ring) / (_BULK_BYTES / 2))
 
 

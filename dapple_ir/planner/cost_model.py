@@ -64,270 +64,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from itertools import accumulate
+from dataclasses import dataclass
 
-from dapple_ir.analysis.memory import optimizer_state_factor
-from dapple_ir.analysis.peak_memory import param_ops
-from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
-from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec, Link
-from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import PlanError
-from dapple_ir.ir import InstrKind, Module, Op, OpKind, TensorType
-from dapple_ir.planner.traffic import busiest, cut_crossings, cut_s, ring_crossings, ring_step_bytes
+from dapple_ir.ir import InstrKind
+from dapple_ir.pricing.layers import Problem, op_roofline, problem_from_module, roofline_ops
+from dapple_ir.pricing.pipeline import in_flight, stage_step
+from dapple_ir.pricing.traffic import busiest, cut_crossings, cut_s
 from dapple_ir.schedules import ScheduleRequest, build_schedule
+
+# The pricing layer's names the planner's callers know from here.
+__all__ = ["Problem", "in_flight", "op_roofline", "problem_from_module", "roofline_ops"]
 
 #: The device placement policies (see `place`).
 POLICIES = ("append-first", "fresh-first", "scatter-first")
-
-#: Share of a stage's compute on the first microbatch's path: zb-h1 defers the weight gradient
-#: (about half the backward) into bubbles, interleaving halves each virtual stage.
-_PATH_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 0.75, "interleaved": 0.5}
-
-
-@dataclass
-class Problem:
-    """Per-layer costs of a coarsened module, for one cluster and global batch."""
-
-    fwd_s: list[float]
-    """Forward time per layer at `cost_batch`."""
-    bwd_s: list[float]
-    """Backward time per layer at `cost_batch`."""
-    act_bytes: list[float]
-    """Activation bytes kept for backward per layer at `cost_batch`."""
-    static_bytes: list[float]
-    """Parameters + gradients + optimizer state + buffers per layer (batch independent)."""
-    grad_bytes: list[float]
-    """Gradient bytes per layer: what the stage allreduce moves."""
-    cut_bytes: list[float]
-    """Bytes crossing the cut after each layer at `batch` (0 after the last)."""
-    cluster: ClusterSpec
-    global_batch: int
-    cost_batch: int
-    batch: int
-    names: list[str] = field(default_factory=list)
-    """Layer names, for reports."""
-    fwd_fixed_s: list[float] = field(default_factory=list)
-    """The part of each layer's forward time that does not shrink with the microbatch (its op
-    calls' fixed cost, `roofline.fixed_s`); empty: none."""
-    bwd_fixed_s: list[float] = field(default_factory=list)
-    """The same for the backward."""
-    roofline: list[tuple[OpRoofline, ...]] = field(default_factory=list)
-    """Per layer, its ops whose times are the roofline's (`roofline_ops`): priced again at each microbatch
-    size, where the rest of the layer's time (and the fixed parts above: theirs only) moves affinely. Empty:
-    no such op anywhere."""
-    unsplittable: frozenset[int] = frozenset()
-    """Layers whose ops normalise over the batch (batch norm): a stage holding one cannot split its
-    microbatches (each replica would normalise its rows alone)."""
-    unsliceable: frozenset[int] = frozenset()
-    """Cuts (after layer k) that carry a value depending on the data without the batch in dimension 0
-    (a flattened [b * s, d]): a stage on either side of one cannot split (`lower-comm` could not slice it)."""
-    weight_ops: list[int] = field(default_factory=list)
-    """Per layer, its ops that read trainable parameters (`peak_memory.param_ops`): under zb-h1 each costs a
-    stage that hands gradients back one more autograd pass (`DeviceKind.split_s`). Empty: none."""
-    weight_op_bytes: list[float] = field(default_factory=list)
-    """Per layer, the parameter bytes those ops read (the split's per-byte part). Empty: none."""
-    tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
-    """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
-    reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
-    `lower-comm` leaves it out of their stage allreduces and sums it once over every device holding it."""
-    network: Network = field(init=False, repr=False, compare=False)
-    """The cluster's links (built from `cluster`)."""
-
-    def __post_init__(self) -> None:
-        self.network = Network(self.cluster)
-        self.pf = [0.0, *accumulate(self.fwd_s)]
-        self.pb = [0.0, *accumulate(self.bwd_s)]
-        self.pff = [0.0, *accumulate(self.fwd_fixed_s or [0.0] * len(self.fwd_s))]
-        self.pbf = [0.0, *accumulate(self.bwd_fixed_s or [0.0] * len(self.bwd_s))]
-        self._times: dict[int, tuple[list[float], list[float]]] = {}
-        # The roofline ops as distinct models (a transformer's blocks repeat theirs) and, per layer, (model, count).
-        models: dict[OpRoofline, int] = {}
-        self._terms = [
-            sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
-        ]
-        self._models = list(models)
-        self.pw = [0, *accumulate(self.weight_ops or [0] * len(self.fwd_s))]
-        self.pwb = [0.0, *accumulate(self.weight_op_bytes or [0.0] * len(self.fwd_s))]
-        self.pa = [0.0, *accumulate(self.act_bytes)]
-        self.ps = [0.0, *accumulate(self.static_bytes)]
-        self.pg = [0.0, *accumulate(self.grad_bytes)]
-
-    @property
-    def layers(self) -> int:
-        return len(self.fwd_s)
-
-    def microbatch_size(self, microbatches: int) -> int:
-        return self.global_batch // microbatches
-
-    def time_scale(self, microbatches: int) -> float:
-        """Factor from costs at `cost_batch` to one microbatch (of the variable part of a time)."""
-        return self.microbatch_size(microbatches) / self.cost_batch
-
-    def prefix_times(self, microbatches: int) -> tuple[list[float], list[float]]:
-        """Prefix sums of the layers' forward and backward times for one microbatch of M: the fixed
-        parts as they are, the rest scaled from `cost_batch` (`roofline.rescaled_s`, per layer)."""
-        return self.times_at(self.microbatch_size(microbatches))
-
-    def times_at(self, rows: int) -> tuple[list[float], list[float]]:
-        """`prefix_times` for a microbatch of `rows` samples (a split replica's rows, `stage_rows`)."""
-        found = self._times.get(rows)
-        if found is None:
-            k = rows / self.cost_batch
-            found = (
-                [fixed + (t - fixed) * k for t, fixed in zip(self.pf, self.pff, strict=True)],
-                [fixed + (t - fixed) * k for t, fixed in zip(self.pb, self.pbf, strict=True)],
-            )
-            if self.roofline:
-                found = self._repriced(found, rows)
-            self._times[rows] = found
-        return found
-
-    def _repriced(self, affine: tuple[list[float], list[float]], rows: int) -> tuple[list[float], list[float]]:
-        """`affine`'s prefix sums with each roofline op's affine move from `cost_batch` replaced by its roofline
-        price at `rows`. Ops alike (a transformer's blocks repeat theirs) are priced once per size: a large plan
-        asks for many sizes (a split stage's rows for each replica count)."""
-        kind = self.cluster.device(0)
-        k = rows / self.cost_batch
-        # Per model: what pricing it at `rows` adds to the affine move of its time at `cost_batch` (which the
-        # affine sums scaled whole: its fixed part is not in pff/pbf).
-        delta = []
-        for model in self._models:
-            at_cost, at_rows = model.times(self.cost_batch, kind), model.times(rows, kind)
-            delta.append((at_rows[0] - at_cost[0] * k, at_rows[1] - at_cost[1] * k))
-        fwd, bwd = [0.0], [0.0]
-        extra_f = extra_b = 0.0
-        for layer, terms in enumerate(self._terms):
-            for index, count in terms:
-                extra_f += count * delta[index][0]
-                extra_b += count * delta[index][1]
-            fwd.append(affine[0][layer + 1] + extra_f)
-            bwd.append(affine[1][layer + 1] + extra_b)
-        return fwd, bwd
-
-    def capacity(self, device: int) -> float:
-        return self.cluster.device(device).memory_bytes
-
-    def can_split(self, lo: int, hi: int) -> bool:
-        """Can a stage of layers [lo, hi) split its microbatches over its replicas?"""
-        if self.unsliceable and ((lo - 1) in self.unsliceable or (hi - 1) in self.unsliceable):
-            return False
-        return not any(lo <= k < hi for k in self.unsplittable)
-
-
-def op_roofline(module: Module, op: Op, efficiency: float, recorded_at: int) -> OpRoofline:
-    """What the roofline prices `op` from: the FLOPs and bytes capture recorded for `recorded_at` samples (the
-    module's `batch`), its parameters as the bytes read whatever the batch, its result's element type (which
-    picks the peak: f16 tensor cores are far faster than f32) and `efficiency`."""
-    a = op.attrs
-    return OpRoofline.at_batch(
-        recorded_at,
-        (a.fwd_flops or 0.0, a.bwd_flops or 0.0),
-        a.mem_bytes or 0.0,
-        module.param_bytes_of([op]),
-        op.type.dtype if isinstance(op.type, TensorType) else "f32",
-        efficiency,
-    )
-
-
-def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
-    """The ops whose times are the roofline's on `cluster`'s device (its first kind) at the module's `cost_batch`
-    (`annotate-cost`'s analytic source with the cluster's efficiencies), each with what prices it at any batch.
-    An op measured (a profile) or priced with other efficiencies is not among them: its time moves with the
-    batch affinely (`rescaled_s`)."""
-    batch = module.attrs.batch
-    cost_batch = module.attrs.cost_batch or batch
-    if not batch or not cost_batch:
-        return {}
-    kind = cluster.device(0)
-    found: dict[Op, OpRoofline] = {}
-    for op in module.ops:
-        a = op.attrs
-        if a.fwd_s is None or a.bwd_s is None or (a.fwd_flops is None and a.mem_bytes is None):
-            continue
-        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch)
-        fwd, bwd = model.times(cost_batch, kind)
-        if math.isclose(fwd, a.fwd_s, rel_tol=1e-9, abs_tol=1e-15) and math.isclose(
-            bwd, a.bwd_s, rel_tol=1e-9, abs_tol=1e-15
-        ):
-            found[op] = model
-    return found
-
-
-def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int) -> Problem:
-    """The planner's view of a coarsened module (`module.layers` must be set)."""
-    if not module.layers:
-        raise PlanError(f"module @{module.name} has no layers; run 'coarsen' before 'plan'")
-    factor = 2.0 + optimizer_state_factor(module.attrs.optimizer)
-    static, grads = [], []
-    for layer in module.layers:
-        params = module.param_bytes_of(layer.ops)
-        buffers = sum(
-            p.nbytes
-            for p in module.params
-            if p.attrs.buffer and any(p.name in (op.attrs.params or ()) for op in layer.ops)
-        )
-        static.append(params * factor + buffers)
-        grads.append(params)
-    batch = module.attrs.batch or module.attrs.cost_batch or 1
-    kind = cluster.device(0)
-    priced = roofline_ops(module, cluster)
-    weighted = [param_ops(module, layer.ops) for layer in module.layers]
-    return Problem(
-        fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
-        bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
-        act_bytes=[layer.attrs.act_bytes or 0.0 for layer in module.layers],
-        static_bytes=static,
-        grad_bytes=grads,
-        cut_bytes=[layer.attrs.cut_bytes or 0.0 for layer in module.layers],
-        cluster=cluster,
-        global_batch=global_batch,
-        cost_batch=module.attrs.cost_batch or batch,
-        batch=batch,
-        names=[layer.name for layer in module.layers],
-        fwd_fixed_s=[
-            sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
-        ],
-        bwd_fixed_s=[
-            sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
-        ],
-        roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
-        weight_ops=[len(ops) for ops in weighted],
-        weight_op_bytes=[module.param_bytes_of(ops) for ops in weighted],
-        tied=_tied_layers(module),
-        unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
-        unsliceable=_unsliceable_cuts(module),
-    )
-
-
-def _unsliceable_cuts(module: Module) -> frozenset[int]:
-    """Cuts after layer k that a value crosses which depends on the data but has no batch dimension 0."""
-    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
-    dependent = batch_dependent(module)
-    found: set[int] = set()
-    for op in module.ops:
-        for v in op.operands:
-            if v.kind in (OpKind.INPUT, OpKind.GET_ATTR) or v not in dependent or batched(module, v):
-                continue
-            made, used = layer_of.get(v), layer_of.get(op)
-            if made is not None and used is not None and used > made:
-                found.update(range(made, used))
-    return frozenset(found)
-
-
-def _tied_layers(module: Module) -> list[tuple[float, tuple[int, ...]]]:
-    """(bytes, reading layers) of each trainable parameter that more than one layer reads."""
-    readers: dict[str, set[int]] = {}
-    for k, layer in enumerate(module.layers):
-        for op in layer.ops:
-            names = set(op.attrs.params or ()) | ({op.target} if op.kind is OpKind.GET_ATTR and op.target else set())
-            for name in names:
-                readers.setdefault(name, set()).add(k)
-    table = {p.name: p for p in module.params if not p.attrs.buffer}
-    return [(float(table[n].nbytes), tuple(sorted(ks))) for n, ks in readers.items() if len(ks) > 1 and n in table]
 
 
 def tied_allreduces(problem: Problem, cand: Candidate) -> tuple[list[float], list[tuple[float, tuple[int, ...]]]]:
@@ -341,8 +93,8 @@ def tied_allreduces(problem: Problem, cand: Candidate) -> tuple[list[float], lis
         stages = sorted({stage_of[layer] for layer in layers})
         if len(stages) < 2:
             continue
-        for layer in layers:
-            left_out[stage_of[layer]] += nbytes
+        for k in stages:
+            left_out[k] += nbytes  # the stage counts the parameter once (`Problem.grads_of`)
         devices = tuple(sorted({d for k in stages for d in cand.stages[k].devices}))
         rings.append((nbytes, devices))
     return left_out, rings
@@ -451,15 +203,6 @@ class Estimate:
         return max(self.stage_peak_bytes, default=0.0)
 
 
-def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
-    """Microbatches whose activations a replica holds at once; `stages_after` counts itself."""
-    if schedule == "gpipe":
-        return per_replica
-    if schedule == "interleaved":
-        return min(per_replica, 2 * stages_after)
-    return min(per_replica, stages_after)
-
-
 def stage_rows(b: int, replicas: int, split: bool) -> int:
     """Samples of each microbatch the busiest replica of a stage computes: ceil(b / R) split, else b."""
     return -(-b // replicas) if split else b
@@ -537,8 +280,8 @@ def stage_memory(
     act = (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
     held = in_flight(schedule, stages_after, per_replica)
     if recompute:
-        return problem.ps[hi] - problem.ps[lo] + held * received_bytes(problem, lo, b) + act
-    return problem.ps[hi] - problem.ps[lo] + held * act
+        return problem.static_of(lo, hi) + held * received_bytes(problem, lo, b) + act
+    return problem.static_of(lo, hi) + held * act
 
 
 def received_bytes(problem: Problem, lo: int, b: int) -> float:
@@ -551,7 +294,6 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     m = cand.microbatches
     if m < 1 or problem.global_batch % m:
         raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
-    b = problem.microbatch_size(m)
     if cand.virtual > 1:
         if any(cand.recompute) or any(cand.split):
             raise PlanError(
@@ -559,6 +301,25 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
                 "plan without them"
             )
         return _evaluate_interleaved(problem, cand)
+    _check_splits(problem, cand)
+    n = len(cand.stages)
+    after: tuple[float, float] | None = None
+    h = -math.inf
+    peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
+    loads: dict[int, float] = {}
+    left_out, tied_rings = tied_allreduces(problem, cand)
+    for s in range(n - 1, -1, -1):
+        price = stage_price(problem, cand, s, after, left_out[s], loads)
+        after = price.g, price.r
+        h = max(price.tail, h - (price.bwd + price.cut))
+        busies[s], peaks[s] = price.busy, price.peak
+        caps[s] = min(problem.capacity(d) for d in cand.stages[s].devices)
+    assert after is not None
+    return _estimate(problem, cand, after[0], h, tied_rings, loads, busies, peaks, caps)
+
+
+def _check_splits(problem: Problem, cand: Candidate) -> None:
+    b = problem.microbatch_size(cand.microbatches)
     for k, st in enumerate(cand.stages):
         if cand.splits(k) and st.replicas > b:
             raise PlanError(
@@ -570,71 +331,96 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
                 f"stage {k} (layers {st.lo}-{st.hi - 1}) cannot split its microbatches: it normalises over the "
                 "batch, or a cut beside it carries a value without the batch in dimension 0"
             )
-    share = _PATH_SHARE.get(cand.schedule, 1.0)
-    n = len(cand.stages)
-    g, h = -math.inf, -math.inf
-    peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
-    network = problem.network
-    loads: dict[int, float] = {}
-    left_out, tied_rings = tied_allreduces(problem, cand)
-    for s in range(n - 1, -1, -1):
-        st = cand.stages[s]
-        # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
-        rows = stage_rows(b, st.replicas, cand.splits(s))
-        pf, pb = problem.times_at(rows)
-        fwd = pf[st.hi] - pf[st.lo]
-        bwd = pb[st.hi] - pb[st.lo]
-        if cand.recomputes(s):
-            bwd += fwd  # the forward reruns before the backward
-        if cand.schedule == "zb-h1" and s > 0:
-            bwd += split_s(problem, st)
-        # The host's own work per microbatch: each compute instruction (zb-h1 runs a backward as two, the first
-        # stage's too: an empty input pass), and a message each way per neighbouring stage.
-        neighbours = (s > 0) + (s < n - 1)
-        fwd += host_s(problem, st, 1, neighbours)
-        bwd += host_s(problem, st, 1 + (cand.schedule == "zb-h1"), neighbours)
-        per_replica = m if cand.splits(s) else -(-m // st.replicas)
-        busy = per_replica * (fwd + bwd)
-        c = 0.0
-        if s < n - 1:
-            nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
-            after = cand.stages[s + 1].devices
-            split = (cand.splits(s), cand.splits(s + 1))
-            c = cut_transfer_s(problem, st.devices, after, split, nbytes, b)
-            _add(loads, cut_crossings(network, st.devices, after, m, split, b), nbytes)
-        grads = max(0.0, problem.pg[st.hi] - problem.pg[st.lo] - left_out[s])
-        _add(loads, ring_crossings(network, st.devices), ring_step_bytes(grads, st.replicas))
-        ar = network.allreduce_s(grads, st.devices)
-        late = 0.0
-        if s < n - 1:
-            nxt = cand.stages[s + 1]
-            late = stagger_s(fwd, st.replicas, cand.splits(s), nxt.replicas, cand.splits(s + 1), m)
-        g = max(busy, share * (fwd + bwd) + 2 * c + late + g)
-        h = max(ar, h - (bwd + c))
-        busies[s] = busy
-        peaks[s] = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s))
-        caps[s] = min(problem.capacity(d) for d in st.devices)
-    # The tied parameters' allreduces follow every stage's own, on every device holding a copy.
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrice:
+    """What `stage_price` works out for one stage of a candidate."""
+
+    g: float
+    r: float
+    busy: float
+    fwd: float
+    bwd: float
+    cut: float
+    tail: float
+    """Its allreduce and optimizer step after its last backward."""
+    peak: float
+
+
+def stage_price(
+    problem: Problem,
+    cand: Candidate,
+    s: int,
+    after: tuple[float, float] | None,
+    left_out: float,
+    loads: dict[int, float],
+) -> StagePrice:
+    """Stage s of `cand` priced with the stage after it (`after`: its (G, R), `pricing.pipeline.stage_step`),
+    its cut's and ring's bytes added to `loads`."""
+    st, n, m = cand.stages[s], len(cand.stages), cand.microbatches
+    b = problem.microbatch_size(m)
+    # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
+    rows = stage_rows(b, st.replicas, cand.splits(s))
+    pf, pb = problem.times_at(rows)
+    fwd = pf[st.hi] - pf[st.lo]
+    bwd = pb[st.hi] - pb[st.lo]
+    if cand.recomputes(s):
+        bwd += fwd  # the forward reruns before the backward
+    if cand.schedule == "zb-h1" and s > 0:
+        bwd += problem.split_s(st.lo, st.hi, st.devices)
+    # The host's own work per microbatch: each compute instruction (zb-h1 runs a backward as two, the first
+    # stage's too: an empty input pass), and a message each way per neighbouring stage.
+    neighbours = (s > 0) + (s < n - 1)
+    fwd += problem.host_s(st.devices, 1, neighbours)
+    bwd += problem.host_s(st.devices, 1 + (cand.schedule == "zb-h1"), neighbours)
+    per_replica = m if cand.splits(s) else -(-m // st.replicas)
+    busy = per_replica * (fwd + bwd)
+    c = late = 0.0
+    if s < n - 1:
+        nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
+        nxt = cand.stages[s + 1]
+        split = (cand.splits(s), cand.splits(s + 1))
+        c = cut_transfer_s(problem, st.devices, nxt.devices, split, nbytes, b)
+        _add(loads, cut_crossings(problem.network, st.devices, nxt.devices, m, split, b), nbytes)
+        late = stagger_s(fwd, st.replicas, cand.splits(s), nxt.replicas, cand.splits(s + 1), m)
+    grads = max(0.0, problem.grads_of(st.lo, st.hi) - left_out)
+    ring = problem.ring(st.devices)
+    _add(loads, ring.crossings, ring.step_bytes(grads))
+    tail = ring.seconds(grads) + problem.optimizer_s(st.lo, st.hi, st.devices)
+    warm = in_flight(cand.schedule, n - s, per_replica)
+    g, r = stage_step(cand.schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
+    peak = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s))
+    return StagePrice(g, r, busy, fwd, bwd, c, tail, peak)
+
+
+def _estimate(
+    problem: Problem,
+    cand: Candidate,
+    g: float,
+    h: float,
+    tied_rings: list[tuple[float, tuple[int, ...]]],
+    loads: dict[int, float],
+    busies: list[float],
+    peaks: list[float],
+    caps: list[float],
+) -> Estimate:
+    """The estimate from the pipeline time G_0 and unhidden tail H_0: the tied parameters' allreduces follow every
+    stage's own, on every device holding a copy; then the card and core floors."""
     tail = max(0.0, h)
     for nbytes, devices in tied_rings:
-        _add(loads, ring_crossings(network, devices), ring_step_bytes(nbytes, len(devices)))
-        tail += network.allreduce_s(nbytes, devices)
+        ring = problem.ring(devices)
+        _add(loads, ring.crossings, ring.step_bytes(nbytes))
+        tail += ring.seconds(nbytes)
+    network = problem.network
     _card, floor = busiest(network, loads, network.card_links)
     link, seconds = busiest(network, loads)
     name = network.links[link].name if link >= 0 else ""
     cores = core_floor(problem.cluster, [(st.devices, busy) for st, busy in zip(cand.stages, busies, strict=True)])
     return Estimate(
-        max(g + tail, floor, cores),
-        g,
-        tail,
-        tuple(peaks),
-        tuple(caps),
-        busies.index(max(busies)),
-        floor,
-        name,
-        seconds,
-        cores,
-    )
+        max(g + tail, floor, cores), g, tail, tuple(peaks), tuple(caps), busies.index(max(busies)), floor, name,
+        seconds, cores,
+    )  # fmt: skip
 
 
 def core_floor(cluster: ClusterSpec, busy: Iterable[tuple[tuple[int, ...], float]]) -> float:
@@ -649,24 +435,6 @@ def core_floor(cluster: ClusterSpec, busy: Iterable[tuple[tuple[int, ...], float
         for d in devices:
             per_node[cluster.node_of(d)] = per_node.get(cluster.node_of(d), 0.0) + seconds
     return max(per_node.values(), default=0.0) / cluster.cores_per_node
-
-
-def split_s(problem: Problem, st: StageChoice) -> float:
-    """What splitting stage `st`'s backward into an input and a weight pass (zb-h1) adds to it: one autograd pass
-    per weight op and the bytes of their parameters (`Problem.weight_ops`, `weight_op_bytes`) at its slowest
-    device's `DeviceKind.split_s`. The first stage hands no gradient back and runs its backward whole: the caller
-    leaves it out."""
-    ops, nbytes = problem.pw[st.hi] - problem.pw[st.lo], problem.pwb[st.hi] - problem.pwb[st.lo]
-    return max(problem.cluster.device(d).split_s(ops, nbytes) for d in st.devices)
-
-
-def host_s(problem: Problem, st: StageChoice, instructions: int, messages: int) -> float:
-    """The host's own seconds for `instructions` compute instructions of stage `st` and `messages` sends and
-    receives around them, on its slowest device (`DeviceKind.instruction_overhead`, `message_overhead`)."""
-    return max(
-        (kind := problem.cluster.device(d)).instruction_overhead * instructions + kind.message_overhead * messages
-        for d in st.devices
-    )
 
 
 def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
@@ -688,21 +456,23 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     act = [(problem.pa[st.hi] - problem.pa[st.lo]) * b / problem.cost_batch for st in cand.stages]
     # Each chunk's own work per microbatch: its ops, its forward and backward instructions and a message each way
     # per neighbouring stage.
-    host = [host_s(problem, st, 2, 2 * ((k > 0) + (k < n - 1))) for k, st in enumerate(cand.stages)]
+    host = [problem.host_s(st.devices, 2, 2 * ((k > 0) + (k < n - 1))) for k, st in enumerate(cand.stages)]
     chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host[k] for k, st in enumerate(cand.stages)]
     for k, st in enumerate(cand.stages):
         g = k % p
         work[g] += chunk[k]
         bwd[g] += pb[st.hi] - pb[st.lo] + host[k] / 2
-        static[g] += problem.ps[st.hi] - problem.ps[st.lo]
-        stage_grads = problem.pg[st.hi] - problem.pg[st.lo]
-        _add(loads, ring_crossings(network, st.devices), ring_step_bytes(stage_grads, st.replicas))
+        static[g] += problem.static_of(st.lo, st.hi)
+        ring = problem.ring(st.devices)
+        _add(loads, ring.crossings, ring.step_bytes(problem.grads_of(st.lo, st.hi)))
         if k == n - 1:
             continue
         nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
         after = cand.stages[k + 1].devices
         _add(loads, cut_crossings(network, st.devices, after, m), nbytes)
-        cut_s[g] += cut_link(problem.cluster, st.devices, after).transfer_s(nbytes) / (cand.virtual - (g == p - 1))
+        cut_s[g] += cut_transfer_s(problem, st.devices, after, (False, False), nbytes, b) / (
+            cand.virtual - (g == p - 1)
+        )
     # Between rounds a group waits for its first microbatch to come round the whole ring of groups.
     ring_s = (cand.virtual - 1) * 2 * sum(cut_s)
     cut_s[p - 1] = 0.0
@@ -718,7 +488,10 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
         devices = cand.stages[g].devices
         busies[g] = -(-m // len(devices)) * max(work[g], rounds)
         g_time = max(busies[g], work[g] / cand.virtual + 2 * cut_s[g] + g_time)
-        ar = sum(network.allreduce_s(problem.pg[s.hi] - problem.pg[s.lo], s.devices) for s in cand.stages[g::p])
+        ar = sum(
+            problem.allreduce_s(problem.grads_of(s.lo, s.hi), s.devices) + problem.optimizer_s(s.lo, s.hi, s.devices)
+            for s in cand.stages[g::p]
+        )
         h = max(ar, h - (bwd[g] / cand.virtual + cut_s[g]))
     peaks = tuple(static[k % p] + held[k % p] for k in range(n))
     caps = tuple(min(problem.capacity(d) for d in st.devices) for st in cand.stages)

@@ -1,18 +1,25 @@
 """Dynamic programming over layers × devices: cuts, replica counts and placement, exact for the
 cost model of `cost_model.evaluate` when the Pareto fronts are not capped.
 
-The recursion runs from the last stage to the first (see `cost_model`): the suffix of layers
-[i, L) placed from device-order offset d has a Pareto front of (G, H, n, loads) — pipeline time
-seen from its first stage, unhidden allreduce, stage count, and the bytes its cuts and allreduces
-push through each network card — and whether its first stage sits alone on the node the previous
-stage would end on (which decides the link of the cut before it). G, H and every card's load grow
-monotonically with the suffix's, so the front is all a predecessor needs; the card floor is the
-busiest card's load over its bandwidth. The cut before the suffix adds to the cards of the suffix's
-first stage, so with uncapped fronts entries are kept apart by where that stage lies.
+The recursion runs from the last stage to the first, one `pricing.pipeline.stage_step` per stage:
+the suffix of layers [i, L) placed from device-order offset d has a Pareto front of (G, H, R, n,
+loads) — pipeline time seen from its first stage, unhidden allreduce and optimizer step, its first
+microbatch's round trip, stage count, and the bytes its cuts and allreduces push through each
+network card. G, H, R and every card's load grow monotonically with the suffix's, so the front is
+all a predecessor needs; exact fronts keep stage counts apart (more stages after a stage let it run
+more forwards before its first backward). The card floor is the busiest card's load over its
+bandwidth. The cut before the suffix adds to the cards of the suffix's first stage, so with uncapped
+fronts entries are kept apart by where that stage lies. Every price comes from `pricing` as
+`evaluate` reads it: compute at the stage's rows, the host's work per instruction and message,
+zb-h1's split backward, each parameter once, the ring allreduce with the hosts' reduction, the
+optimizer step, and each cut over the links it shares.
 
-Clusters with more than `EXACT_CARDS` card links carry only the floor of each stage's own allreduce,
-a lower bound that stays cheap on a thousand devices: the cost model, which counts every cut, then
-ranks what the DP finds.
+What the DP leaves out, all re-priced by `evaluate` for the plan it returns: the allreduce of a tied
+parameter whose readers fall in different stages (summed over every device holding it), the core
+floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
+card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
+thousand devices). Outside those, the DP's objective for its plan is `evaluate`'s iteration time
+(`tests/test_pricing.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +30,9 @@ from collections.abc import Mapping
 from functools import cache
 from operator import itemgetter
 
-from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import (
-    _PATH_SHARE,
     Candidate,
     Estimate,
     Problem,
@@ -37,7 +43,10 @@ from dapple_ir.planner.cost_model import (
     stage_start,
     stagger_s,
 )
-from dapple_ir.planner.traffic import cut_crossings, cut_s, ring_crossings, ring_step_bytes
+from dapple_ir.pricing.collectives import ring_step_bytes
+from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+from dapple_ir.pricing.pipeline import in_flight, stage_step
+from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
 #: DAPPLE's 2x8 (4) and 16x1 (32) clusters; beyond, a tuple per entry would slow the DP down.
@@ -77,7 +86,7 @@ def policies_for(cluster: ClusterSpec, policies: tuple[str, ...]) -> list[str]:
 # stages' own traffic (a float); floor: the card floor in seconds; objective:
 # max(g + max(0, h), floor), the iteration time if the plan started here.
 _Entry = tuple  # plain tuples: the DP creates millions of them
-_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE, _LOADS, _FLOOR = range(11)
+_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE, _LOADS, _FLOOR, _R = range(12)
 # Keys as C callables: the DP sorts millions of entries.
 _objective = itemgetter(_OBJECTIVE)
 _order_key = itemgetter(_G, _H, _N)
@@ -104,68 +113,163 @@ def solve(
     in flight and one microbatch's activations, and its backward reruns the forward. With `split`,
     every replicated stage splits each microbatch over its replicas, at most b of them (`cost_model`:
     times and activations at `stage_rows`, M microbatches per replica, its cuts in pieces)."""
-    cluster = problem.cluster
-    total = cluster.num_devices
-    layers = problem.layers
-    order = device_order(cluster, policy)
-    node = [cluster.node_of(d) for d in order]
-    b = problem.microbatch_size(microbatches)
-    share = _PATH_SHARE.get(schedule, 1.0)
-    cut_scale = b / problem.batch
-    replicas = choices or replica_choices(cluster)
-    split_counts = {r for r in replicas if split and 1 < r <= b}
-    limit = stages or max_stages or layers
-    pa, ps, pg = problem.pa, problem.ps, problem.pg
-    capacity = [problem.capacity(x) for x in range(total)]
+    found = solve_priced(
+        problem,
+        microbatches,
+        schedule,
+        policy,
+        stages=stages,
+        max_stages=max_stages,
+        front=front,
+        choices=choices,
+        bound=bound,
+        recompute=recompute,
+        split=split,
+    )
+    return found[0] if found is not None else None
 
-    gpipe, interleaved = schedule == "gpipe", schedule == "interleaved"
-    cut_bytes = problem.cut_bytes
-    intra, inter = cluster.intra, cluster.inter
-    exact_n = stages is not None
-    network = problem.network
-    card_index = {link: k for k, link in enumerate(network.card_links)}
-    inverse = [1.0 / network.links[link].bandwidth for link in network.card_links]
-    vector = len(card_index) <= EXACT_CARDS
-    none: tuple[tuple[int, float], ...] = ()
-    empty_loads: tuple[float, ...] | float = (0.0,) * len(card_index) if vector else 0.0
-    by_placement = front is None and vector and bool(card_index)
 
-    def on_cards(crossings: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
-        return tuple((card_index[link], float(count)) for link, count in crossings.items() if link in card_index)
+def solve_priced(
+    problem: Problem,
+    microbatches: int,
+    schedule: str,
+    policy: str,
+    *,
+    stages: int | None = None,
+    max_stages: int | None = None,
+    front: int | None = 3,
+    choices: list[int] | None = None,
+    bound: float = math.inf,
+    recompute: bool = False,
+    split: bool = False,
+) -> tuple[Candidate, float] | None:
+    """`solve`, with the DP's own objective for the candidate it returns (what `evaluate` must price it at
+    where the DP is exact: see the module docstring)."""
+    dp = _Search(problem, microbatches, schedule, policy, stages, max_stages, front, choices, bound, recompute, split)
+    entries = [e for e in dp.suffix(0, 0) if stages is None or e[_N] == stages]
+    if not entries:
+        return None
+    best: _Entry | None = min(entries, key=_objective)
+    assert best is not None
+    objective = best[_OBJECTIVE]
+    result: list[StageChoice] = []
+    lo = 0
+    while best is not None:
+        result.append(StageChoice(lo, best[_END], tuple(dp.order[best[_START] : best[_START] + best[_REPLICAS]])))
+        lo, best = best[_END], best[_CHILD]
+    found = Candidate(tuple(result), microbatches, schedule, policy, "dp")
+    if not split:
+        return found, objective
+    # A stage that cannot split (batch norm, an unsliceable cut beside it) takes its microbatches round
+    # robin, which needs one per replica.
+    flags = tuple(st.replicas in dp.split_counts and problem.can_split(st.lo, st.hi) for st in result)
+    if any(st.replicas > microbatches and not f for st, f in zip(result, flags, strict=True)):
+        return None
+    return dataclasses.replace(found, split=flags), objective
 
-    @cache
-    def group(start: int, r: int) -> tuple[bool, float, float, float, tuple[tuple[int, float], ...], float]:
-        """A replica group's facts: on one node?, memory, allreduce seconds per byte and latency, the
-        ring's steps on each card, and the busiest card's seconds per byte of a step."""
-        devices = order[start : start + r]
-        single = len({node[k] for k in range(start, start + r)}) == 1
+
+class _Search:
+    """One DP over layers x device offsets for one (M, schedule, policy): `suffix(i, d)` is the Pareto front of
+    plans for layers [i, L) placed from device-order offset d. Its caches live as long as the search."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        microbatches: int,
+        schedule: str,
+        policy: str,
+        stages: int | None,
+        max_stages: int | None,
+        front: int | None,
+        choices: list[int] | None,
+        bound: float,
+        recompute: bool,
+        split: bool,
+    ) -> None:
+        self.problem, self.m, self.schedule, self.policy = problem, microbatches, schedule, policy
+        self.front, self.bound, self.recompute, self.split = front, bound, recompute, split
+        cluster = self.cluster = problem.cluster
+        self.total, self.layers = cluster.num_devices, problem.layers
+        self.order = device_order(cluster, policy)
+        self.node = [cluster.node_of(d) for d in self.order]
+        self.b = problem.microbatch_size(microbatches)
+        self.cut_scale = self.b / problem.batch
+        self.replicas = choices or replica_choices(cluster)
+        self.split_counts = {r for r in self.replicas if split and 1 < r <= self.b}
+        self.limit = stages or max_stages or self.layers
+        self.capacity = [problem.capacity(x) for x in range(self.total)]
+        self.zb = schedule == "zb-h1"
+        self.exact_n = stages is not None
+        network = problem.network
+        self.card_index = {link: k for k, link in enumerate(network.card_links)}
+        self.inverse = [1.0 / network.links[link].bandwidth for link in network.card_links]
+        self.vector = len(self.card_index) <= EXACT_CARDS
+        self.empty_loads: tuple[float, ...] | float = (0.0,) * len(self.card_index) if self.vector else 0.0
+        self.by_placement = front is None and self.vector and bool(self.card_index)
+        self.group = cache(self._group)
+        self.kinds = cache(self._kinds)
+        self.overheads = cache(self._overheads)
+        self.cut_cards = cache(self._cut_cards)
+        self.split_cut = cache(self._split_cut)
+        self.spans_from = cache(self._spans_from)
+        self.suffix = cache(self._suffix)
+
+    def on_cards(self, crossings: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+        index = self.card_index
+        return tuple((index[link], float(count)) for link, count in crossings.items() if link in index)
+
+    def _group(self, start: int, r: int) -> tuple[bool, float, float, float, tuple[tuple[int, float], ...], float]:
+        """A replica group's facts: on one node?, memory, allreduce seconds per byte (links and hosts) and
+        latency (`pricing.collectives`), the ring's steps on each card, and the busiest card's seconds per
+        byte of a step."""
+        devices = self.order[start : start + r]
+        single = len({self.node[k] for k in range(start, start + r)}) == 1
+        memory = min(self.capacity[x] for x in devices)
         if r == 1:
-            return single, min(capacity[x] for x in devices), 0.0, 0.0, none, 0.0
-        slowest = max(c / network.links[k].bandwidth for k, c in network.ring_load(devices).items())
-        ar_bw = ring_step_bytes(1.0, r) * slowest
-        ring = on_cards(ring_crossings(network, devices))
-        peak = max((count * inverse[k] for k, count in ring), default=0.0)
-        return single, min(capacity[x] for x in devices), ar_bw, 2 * (r - 1) * network.ring_latency(devices), ring, peak
+            return single, memory, 0.0, 0.0, (), 0.0
+        ring = self.problem.ring(devices)
+        cards = self.on_cards(ring.crossings)
+        peak = max((count * self.inverse[k] for k, count in cards), default=0.0)
+        return single, memory, ring.per_byte_s, ring.fixed_s, cards, peak
 
-    @cache
-    def cut_cards(start: int, r: int, child_start: int, child_r: int) -> tuple[tuple[int, float], ...]:
+    def _kinds(self, start: int, r: int) -> tuple[DeviceKind, ...]:
+        """The distinct device kinds of a replica group (a stage's time is its slowest kind's)."""
+        found = {self.cluster.device(d).name: self.cluster.device(d) for d in self.order[start : start + r]}
+        return tuple(found.values())
+
+    def _overheads(self, start: int, r: int, i: int, j: int) -> tuple[float, float, float]:
+        """(forward, backward extra, optimizer step) of a stage of layers [i, j) on the group beyond its ops:
+        the host's work per instruction and message, zb-h1's split backward, and the step, at the slowest kind
+        (as `Problem.host_s`, `split_s` and `optimizer_s` price them)."""
+        problem, group_kinds = self.problem, self.kinds(start, r)
+        messages = (i > 0) + (j < self.layers)
+        fwd = max(host_work_s(k, 1, messages) for k in group_kinds)
+        bwd = max(host_work_s(k, 1 + self.zb, messages) for k in group_kinds)
+        if self.zb and i > 0:
+            ops, nbytes = problem.pw[j] - problem.pw[i], problem.pwb[j] - problem.pwb[i]
+            bwd += max(k.split_s(ops, nbytes) for k in group_kinds)
+        grads = problem.grads_of(i, j)
+        step = max(optimizer_step_s(k, grads, problem.state_factor) for k in group_kinds)
+        return fwd, bwd, step
+
+    def _cut_cards(self, start: int, r: int, child_start: int, child_r: int) -> tuple[tuple[int, float], ...]:
         """The cut's transfers (activations and gradients) on each card, per byte of one microbatch."""
-        a, b = order[start : start + r], order[child_start : child_start + child_r]
-        spanned = {node[k] for k in (*range(start, start + r), *range(child_start, child_start + child_r))}
-        if not vector or len(spanned) == 1:
-            return none
-        both = (r in split_counts, child_r in split_counts)
-        return on_cards(cut_crossings(network, a, b, microbatches, both, problem.microbatch_size(microbatches)))
+        a, b = self.order[start : start + r], self.order[child_start : child_start + child_r]
+        spanned = {self.node[k] for k in (*range(start, start + r), *range(child_start, child_start + child_r))}
+        if not self.vector or len(spanned) == 1:
+            return ()
+        both = (r in self.split_counts, child_r in self.split_counts)
+        return self.on_cards(cut_crossings(self.problem.network, a, b, self.m, both, self.b))
 
-    @cache
-    def split_cut(start: int, r: int, child_start: int, child_r: int) -> tuple[float, float]:
+    def _split_cut(self, start: int, r: int, child_start: int, child_r: int) -> tuple[float, float]:
         """A cut's seconds per byte of one microbatch and latency, sharing links with what crosses at
-        once (`cut_s`); on clusters of many cards only cuts with a split side (the others: one link)."""
-        a, b = order[start : start + r], order[child_start : child_start + child_r]
-        both = (r in split_counts, child_r in split_counts)
-        return cut_s(network, a, b, both, problem.microbatch_size(microbatches))
+        once (`cut_s`, as the cost model prices it)."""
+        a, b = self.order[start : start + r], self.order[child_start : child_start + child_r]
+        both = (r in self.split_counts, child_r in self.split_counts)
+        return cut_s(self.problem.network, a, b, both, self.b)
 
     def add(
+        self,
         loads: tuple[float, ...] | float,
         floor: float,
         ring: tuple[tuple[int, float], ...],
@@ -178,167 +282,106 @@ def solve(
         card's seconds per byte) and the cut after it (`x` bytes a transfer) added."""
         if (not ring or step <= 0.0) and (not cut or x <= 0.0):
             return loads, floor
-        if not vector:
+        if not self.vector:
             mine = step * peak
             return (mine if mine > loads else loads), (mine if mine > floor else floor)  # type: ignore[operator]
         # Loads only grow: the floor moves only on the cards this stage adds to.
-        new = list(loads)  # type: ignore[arg-type]
+        new, inverse = list(loads), self.inverse  # type: ignore[arg-type]
         for k, count in ring:
             new[k] += count * step
-            if new[k] * inverse[k] > floor:
-                floor = new[k] * inverse[k]
+            floor = max(floor, new[k] * inverse[k])
         for k, count in cut:
             new[k] += count * x
-            if new[k] * inverse[k] > floor:
-                floor = new[k] * inverse[k]
+            floor = max(floor, new[k] * inverse[k])
         return tuple(new), floor
 
-    def crossing(
-        start: int, r: int, split_here: bool, one_node: bool, fwd: float, j: int, child: _Entry
-    ) -> tuple[float, float]:
-        """(c, l) of the cut after layer j - 1 from devices [start, start + r) into `child`: its transfer,
-        over the links it shares with what crosses at once (split sides, or every cut where the DP carries
-        each card), else over the one link the placement uses (`one_node`: intra-node); and how late the
-        child's last round-robin replica starts (`stagger_s`)."""
-        nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in split_counts
-        if vector or split_here or nxt_split:
-            per_byte, lat = split_cut(start, r, child[_START], nxt)
-            x = cut_bytes[j - 1] * cut_scale
-            c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
-        else:
-            c = c_intra_at[j - 1] if one_node else c_inter_at[j - 1]
-        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, microbatches)
+    def crossing(self, start: int, r: int, split_here: bool, fwd: float, j: int, child: _Entry) -> tuple[float, float]:
+        """(c, l) of the cut after layer j - 1 from devices [start, start + r) into `child`: its transfer over
+        the links it shares with what crosses at once (`cost_model.cut_transfer_s`), and how late the child's
+        last round-robin replica starts (`stagger_s`)."""
+        nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in self.split_counts
+        per_byte, lat = self.split_cut(start, r, child[_START], nxt)
+        x = self.problem.cut_bytes[j - 1] * self.cut_scale
+        c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m)
 
-    # Per cut: its transfer over an intra- and an inter-node link, for this microbatch size.
-    c_intra_at = [intra.transfer_s(x * cut_scale) for x in cut_bytes]
-    c_inter_at = [inter.transfer_s(x * cut_scale) for x in cut_bytes]
-
-    @cache
-    def spans_from(i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
-        """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples."""
-        rerun = 1.0 if recompute else 0.0
+    def _spans_from(self, i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
+        """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples, each
+        parameter counted once (`Problem.static_of`, `grads_of`)."""
+        problem, pa = self.problem, self.problem.pa
+        rerun = 1.0 if self.recompute else 0.0
         pf, pb = problem.times_at(rows)  # fixed parts included
         return [
-            (pf[j] - pf[i], pb[j] - pb[i] + rerun * (pf[j] - pf[i]), ps[j] - ps[i], pa[j] - pa[i], pg[j] - pg[i])
-            for j in range(i + 1, layers + 1)
+            (
+                pf[j] - pf[i],
+                pb[j] - pb[i] + rerun * (pf[j] - pf[i]),
+                problem.static_of(i, j),
+                pa[j] - pa[i],
+                problem.grads_of(i, j),
+            )
+            for j in range(i + 1, self.layers + 1)
         ]
 
-    @cache
-    def suffix(i: int, d: int) -> tuple[_Entry, ...]:
+    def _suffix(self, i: int, d: int) -> tuple[_Entry, ...]:
         found: list[_Entry] = []
-        append = found.append
-        for r in replicas:
-            start = stage_start(cluster, policy, d, r)
-            split_here = r in split_counts
+        for r in self.replicas:
+            start = stage_start(self.cluster, self.policy, d, r)
             # A round-robin replica needs a microbatch, a split one a sample of each.
-            if start + r > total or r > (b if split else microbatches):
+            if start + r > self.total or r > (self.b if self.split else self.m):
                 continue
-            rows = stage_rows(b, r, split_here)
-            spans = spans_from(i, rows)
-            act_scale = rows / problem.cost_batch
-            # Bytes held per microbatch in flight: the activations, or with recompute the stage's input.
-            kept_input = cut_bytes[i - 1] * rows / problem.batch if recompute and i > 0 else 0.0
-            single, cap, ar_bw, ar_lat, ring, peak = group(start, r)
-            alone = single and d > 0 and node[d - 1] == node[start]
-            per = microbatches if split_here else -(-microbatches // r)
-            ring_factor = ring_step_bytes(1.0, r)
-            for j, (f_sum, b_sum, static, a_sum, grads) in enumerate(spans, start=i + 1):
-                fwd, bwd = f_sum, b_sum
-                busy = per * (fwd + bwd)
-                if static > cap or busy > bound:
-                    break
-                ar = grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0
-                step = grads * ring_factor
-                act = a_sum * act_scale
-                # One microbatch's activations live at once (recompute), the rest keep `act` each.
-                if recompute:
-                    static, act = static + act, kept_input
-                if j == layers:
-                    if static + (per if gpipe else min(per, 2 if interleaved else 1)) * act <= cap:
-                        loads, floor = add(empty_loads, 0.0, ring, peak, step, none, 0.0)
-                        h_pos = busy + ar if ar > 0.0 else busy
-                        objective = floor if floor > h_pos else h_pos
-                        append((busy, ar, 1, alone, start, r, j, None, objective, loads, floor))
-                    continue
-                x = cut_bytes[j - 1] * cut_scale
-                path = share * (fwd + bwd)
-                children = suffix(j, start + r)
-                # Without per-card loads the floor is the stage's own ring's, or the suffix's.
-                mine = step * peak
-                if not vector and act >= 0.0 and static + per * act <= cap and limit > layers - j:
-                    # No child can break the memory or stage limit: at most `per` microbatches are held
-                    # (act >= 0 keeps the products ordered), and the suffix has at most layers - j stages.
-                    for child in children:
-                        c, late = crossing(start, r, split_here, single and child[_ALONE], fwd, j, child)
-                        g = path + 2 * c + late + child[_G]
-                        if busy > g:
-                            g = busy
-                        if g > bound:
-                            continue
-                        h = child[_H] - (bwd + c)
-                        if ar > h:
-                            h = ar
-                        floor = child[_FLOOR]
-                        if mine > floor:
-                            floor = mine
-                        objective = g + h if h > 0.0 else g
-                        if floor > objective:
-                            objective = floor
-                        append((g, h, child[_N] + 1, alone, start, r, j, child, objective, floor, floor))
-                    continue
-                for child in children:
-                    n = child[_N] + 1
-                    held = (2 * n if interleaved else n) if not gpipe else per
-                    if held > per:
-                        held = per
-                    if n > limit or static + held * act > cap:
-                        continue
-                    c, late = crossing(start, r, split_here, single and child[_ALONE], fwd, j, child)
-                    g = path + 2 * c + late + child[_G]
-                    if busy > g:
-                        g = busy
-                    if g > bound:
-                        continue
-                    h = child[_H] - (bwd + c)
-                    if ar > h:
-                        h = ar
-                    if vector:
-                        cut = cut_cards(start, r, child[_START], child[_REPLICAS])
-                        loads, floor = add(child[_LOADS], child[_FLOOR], ring, peak, step, cut, x)
-                    else:
-                        floor = child[_FLOOR]
-                        if mine > floor:
-                            floor = mine
-                        loads = floor
-                    objective = g + h if h > 0.0 else g
-                    if floor > objective:
-                        objective = floor
-                    append((g, h, n, alone, start, r, j, child, objective, loads, floor))
-        return _prune(found, exact_n=exact_n, front=front, by_placement=by_placement)
+            self.stage_entries(i, d, r, start, found)
+        return _prune(found, exact_n=self.exact_n, front=self.front, by_placement=self.by_placement)
 
-    entries = [e for e in suffix(0, 0) if stages is None or e[_N] == stages]
-    suffix.cache_clear()
-    group.cache_clear()
-    cut_cards.cache_clear()
-    split_cut.cache_clear()
-    spans_from.cache_clear()
-    if not entries:
-        return None
-    best: _Entry | None = min(entries, key=_objective)
-    result: list[StageChoice] = []
-    lo = 0
-    while best is not None:
-        result.append(StageChoice(lo, best[_END], tuple(order[best[_START] : best[_START] + best[_REPLICAS]])))
-        lo, best = best[_END], best[_CHILD]
-    found = Candidate(tuple(result), microbatches, schedule, policy, "dp")
-    if not split:
-        return found
-    # A stage that cannot split (batch norm, an unsliceable cut beside it) takes its microbatches round
-    # robin, which needs one per replica.
-    flags = tuple(st.replicas in split_counts and problem.can_split(st.lo, st.hi) for st in result)
-    if any(st.replicas > microbatches and not f for st, f in zip(result, flags, strict=True)):
-        return None
-    return dataclasses.replace(found, split=flags)
+    def stage_entries(self, i: int, d: int, r: int, start: int, found: list[_Entry]) -> None:
+        """Every entry whose first stage is layers [i, j) on r replicas from `start`, appended to `found`."""
+        problem, m, schedule = self.problem, self.m, self.schedule
+        split_here = r in self.split_counts
+        rows = stage_rows(self.b, r, split_here)
+        act_scale = rows / problem.cost_batch
+        # Bytes held per microbatch in flight: the activations, or with recompute the stage's input.
+        kept_input = problem.cut_bytes[i - 1] * rows / problem.batch if self.recompute and i > 0 else 0.0
+        single, cap, ar_bw, ar_lat, ring, peak = self.group(start, r)
+        alone = single and d > 0 and self.node[d - 1] == self.node[start]
+        per = m if split_here else -(-m // r)
+        ring_factor = ring_step_bytes(1.0, r)
+        for j, (fwd, bwd, static, a_sum, grads) in enumerate(self.spans_from(i, rows), start=i + 1):
+            host_f, host_b, opt = self.overheads(start, r, i, j)
+            fwd, bwd = fwd + host_f, bwd + host_b
+            busy = per * (fwd + bwd)
+            if static > cap or busy > self.bound:
+                break
+            ar = (grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0) + opt
+            step = grads * ring_factor
+            act = a_sum * act_scale
+            # One microbatch's activations live at once (recompute), the rest keep `act` each.
+            if self.recompute:
+                static, act = static + act, kept_input
+            if j == self.layers:
+                if static + in_flight(schedule, 1, per) * act <= cap:
+                    loads, floor = self.add(self.empty_loads, 0.0, ring, peak, step, (), 0.0)
+                    g, r_trip = stage_step(schedule, busy, fwd, bwd, 0.0, 0.0, in_flight(schedule, 1, per), per, None)
+                    objective = max(floor, g + ar if ar > 0.0 else g)
+                    found.append((g, ar, 1, alone, start, r, j, None, objective, loads, floor, r_trip))
+                continue
+            for child in self.suffix(j, start + r):
+                n = child[_N] + 1
+                warm = in_flight(schedule, n, per)
+                if n > self.limit or static + warm * act > cap:
+                    continue
+                c, late = self.crossing(start, r, split_here, fwd, j, child)
+                g, r_trip = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, (child[_G], child[_R]))
+                if g > self.bound:
+                    continue
+                h = max(ar, child[_H] - (bwd + c))
+                if self.vector:
+                    cut = self.cut_cards(start, r, child[_START], child[_REPLICAS])
+                    x = problem.cut_bytes[j - 1] * self.cut_scale
+                    loads, floor = self.add(child[_LOADS], child[_FLOOR], ring, peak, step, cut, x)
+                else:
+                    floor = max(child[_FLOOR], step * peak)
+                    loads = floor
+                objective = max(floor, g + h if h > 0.0 else g)
+                found.append((g, h, n, alone, start, r, j, child, objective, loads, floor, r_trip))
 
 
 def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placement: bool) -> tuple[_Entry, ...]:
@@ -349,7 +392,9 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placem
     groups: dict[tuple[bool, int, int, int], list[_Entry]] = {}
     for e in entries:
         placed = (e[_START], e[_REPLICAS]) if by_placement else (0, 0)
-        key = (e[_ALONE], e[_N] if exact_n else 0, *placed)
+        # Exact fronts keep stage counts apart: more stages after a stage let it run more forwards before its
+        # first backward (`in_flight`), which can shorten its wait for the first gradient.
+        key = (e[_ALONE], e[_N] if exact_n or front is None else 0, *placed)
         members = groups.get(key)
         if members is None:
             groups[key] = [e]
@@ -363,8 +408,9 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placem
         kept: list[_Entry] = []
         for e in pool:
             h, n, loads = e[_H], e[_N], e[_LOADS]
+            trip = e[_R]
             for k in kept:
-                if k[_H] <= h and k[_N] <= n and _lighter(k[_LOADS], loads):
+                if k[_H] <= h and k[_N] <= n and k[_R] <= trip and _lighter(k[_LOADS], loads):
                     break
             else:
                 kept.append(e)

@@ -22,18 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_ir.cluster.topology import Network
-from dapple_ir.planner.cost_model import (
-    _PATH_SHARE,
-    Candidate,
-    Estimate,
-    Problem,
-    candidate,
-    evaluate,
-    in_flight,
-    stagger_s,
-)
+from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, stagger_s
 from dapple_ir.planner.dp import replica_choices
-from dapple_ir.planner.traffic import cut_crossings, cut_s, ring_crossings, ring_step_bytes
+from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, in_flight
+from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -98,9 +91,20 @@ def solve_ilp(
     times_f, times_b = problem.prefix_times(m)
     total = (times_f[-1] + times_b[-1]) * m + 1e-9
     unit = total / 1e8
-    share_num = round(_PATH_SHARE.get(schedule, 1.0) * 4)
+    share_num = round(PATH_SHARE.get(schedule, 1.0) * 4)
+    back_num = round(BACK_SHARE.get(schedule, 1.0) * 4)
+    zb = schedule == "zb-h1"
+    # What the model leaves out, priced again exactly in the plan's estimate: a parameter several layers read
+    # counts once per layer (prefix sums), the tied parameters' own allreduces and the core floor are not in
+    # it, and the host's work, a split backward and the optimizer step are priced on the cluster's slowest
+    # kind (exact on clusters of one device kind).
+    kind = max(cluster.node_kinds, key=lambda k: (k.instruction_overhead, k.message_overhead, -k.mem_bandwidth))
     pf = _ints(times_f, unit)
     pb = _ints(times_b, unit)
+    # zb-h1's split backward and the optimizer step, per layer prefix (both linear in what they read).
+    splits = zip(problem.pw, problem.pwb, strict=True)
+    psplit = _ints([kind.split_s(ops, nbytes) if zb else 0.0 for ops, nbytes in splits], unit)
+    popt = _ints([optimizer_step_s(kind, v, problem.state_factor) for v in problem.pg], unit)
     pa = _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT)
     ps = _ints(problem.ps, _MEMORY_UNIT)
     pg = [round(v) for v in problem.pg]
@@ -120,7 +124,10 @@ def solve_ilp(
         return var
 
     at = [
-        {k: element(e[s], t, f"{k}{s}") for k, t in (("f", pf), ("b", pb), ("a", pa), ("s", ps), ("g", pg))}
+        {
+            k: element(e[s], t, f"{k}{s}")
+            for k, t in (("f", pf), ("b", pb), ("a", pa), ("s", ps), ("g", pg), ("p", psplit), ("o", popt))
+        }
         for s in range(stages + 1)
     ]
     onehot = [[md.new_bool_var(f"r{s}_{r}") for r in choices] for s in range(stages)]
@@ -166,18 +173,25 @@ def solve_ilp(
     coarse = 2 ** max(0, math.ceil(math.log2(2**12 / (slowest_card * unit))))
     per_coarse = {link: round(network.links[link].bandwidth * unit * coarse) for link in cards}
     cut_x = [0, *(round(problem.cut_bytes[j] * b / problem.batch) for j in range(layers))]
-    g_next = h_next = None
+    g_next = h_next = r_next = None
     g0 = h0 = None
     for s in range(stages - 1, -1, -1):
+        # The host's work per instruction and message, as `cost_model.stage_price` adds it.
+        messages = (s > 0) + (s < stages - 1)
+        host_f = round(host_work_s(kind, 1, messages) / unit)
+        host_b = round(host_work_s(kind, 1 + zb, messages) / unit)
         f = md.new_int_var(0, big, f"F{s}")
-        md.add(f == at[s + 1]["f"] - at[s]["f"])
+        md.add(f == at[s + 1]["f"] - at[s]["f"] + host_f)
         bw = md.new_int_var(0, big, f"B{s}")
-        md.add(bw == at[s + 1]["b"] - at[s]["b"])
+        split_b = at[s + 1]["p"] - at[s]["p"] if zb and s > 0 else 0
+        md.add(bw == at[s + 1]["b"] - at[s]["b"] + host_b + split_b)
+        step = at[s + 1]["o"] - at[s]["o"]
         grads = md.new_int_var(0, max(pg), f"W{s}")
         md.add(grads == at[s + 1]["g"] - at[s]["g"])
         static = at[s + 1]["s"] - at[s]["s"]
         act = at[s + 1]["a"] - at[s]["a"]
         busy, ar = md.new_int_var(0, big, f"busy{s}"), md.new_int_var(0, big, f"ar{s}")
+        md.add(ar >= step)
         for r, x in zip(choices, onehot[s], strict=True):
             per = -(-m // r)
             md.add(busy >= per * (f + bw)).only_enforce_if(x)
@@ -187,12 +201,11 @@ def solve_ilp(
         for (o, r), place in y[s].items():
             if r == 1:
                 continue
-            devices = range(o, o + r)
-            slowest = max(k / network.links[link].bandwidth for link, k in network.ring_load(devices).items())
-            coef = round(ring_step_bytes(1.0, r) * slowest / unit * 2**16)
-            lat = round(2 * (r - 1) * network.ring_latency(devices) / unit)
-            md.add(ar * 2**16 >= coef * grads + lat * 2**16).only_enforce_if(place)
-            for link, k in ring_crossings(network, devices).items():
+            ring = problem.ring(range(o, o + r))
+            coef = round(ring.per_byte_s / unit * 2**16)
+            lat = round(ring.fixed_s / unit)
+            md.add(ar * 2**16 >= coef * grads + (lat + step) * 2**16).only_enforce_if(place)
+            for link, k in ring.crossings.items():
                 if link in card_load:
                     if link not in rings:
                         rings[link] = md.new_int_var(0, 2 * k * max(pg), f"ring{s}_{link}")
@@ -239,12 +252,18 @@ def solve_ilp(
             md.add(c == 0)
             md.add(late == 0)
         g, h = md.new_int_var(0, big, f"G{s}"), md.new_int_var(-big, big, f"H{s}")
+        trip = md.new_int_var(0, 4 * big, f"R{s}")
         md.add(g >= busy)
         md.add(h >= ar)
-        if g_next is not None and h_next is not None:
+        if g_next is None or h_next is None or r_next is None:
+            md.add(4 * trip >= 4 * f + back_num * bw)
+        else:
             md.add(4 * g >= share_num * (f + bw) + 8 * c + 4 * late + 4 * g_next)
             md.add(h >= h_next - bw - c)
-        g_next, h_next, g0, h0 = g, h, g, h
+            after = md.new_int_var(0, 4 * big, f"trip{s}")
+            md.add(after == 2 * c + late + r_next)
+            _stall(md, schedule, (f, bw, busy, g, trip), after, (choices, onehot[s]), (m, stages - s))
+        g_next, h_next, r_next, g0, h0 = g, h, trip, g, h
     assert g0 is not None and h0 is not None
     t = md.new_int_var(0, 4 * big, "T")
     md.add(t >= g0)
@@ -284,6 +303,39 @@ def solve_ilp(
     optimal = solved and floored
     bound_s = estimate.iteration_s if optimal else max(0.0, bound * unit)
     return IlpSolution(cand, estimate, optimal, bound_s, gap, floored)
+
+
+def _stall(
+    md: cp_model.CpModel,
+    schedule: str,
+    stage: tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.IntVar],
+    trip: cp_model.IntVar,
+    replicas: tuple[list[int], list[cp_model.IntVar]],
+    counts: tuple[int, int],
+) -> None:
+    """`pricing.pipeline.stage_step` as lower bounds on a stage's G and round trip R (the minimisation makes them
+    tight): `stage` is its (F, B, busy, G, R), `trip` the next stage's round trip with the cut both ways, and
+    `replicas` the one-hot choice of its replica count (its microbatches in flight depend on it)."""
+    f, bw, busy, g, r_trip = stage
+    back_num = round(BACK_SHARE.get(schedule, 1.0) * 4)
+    m, stages_after = counts
+    if schedule == "gpipe":
+        md.add(g >= busy + trip)
+        md.add(4 * r_trip >= 4 * f + 4 * trip + back_num * bw)
+        return
+    x = md.new_int_var(0, 4 * 10**12, f"X{stages_after}")
+    md.add(x >= f + trip)
+    md.add(4 * r_trip >= 4 * x + back_num * bw)
+    for r, chosen in zip(*replicas, strict=True):
+        per = -(-m // r)
+        warm = in_flight(schedule, stages_after, per)
+        md.add(x >= warm * f).only_enforce_if(chosen)
+        if schedule == "zb-h1" or per <= warm:
+            md.add(g >= busy + x - warm * f).only_enforce_if(chosen)
+            continue
+        cool = md.new_int_var(0, 4 * 10**12, f"cool{stages_after}_{r}")
+        md.add(4 * cool >= 4 * trip - (warm - 1) * back_num * bw)
+        md.add(g >= busy + x - warm * f + cool).only_enforce_if(chosen)
 
 
 def _cut_cards(network: Network, choices: list[int], microbatches: int, n_dev: int) -> dict[tuple, list]:  # type: ignore[type-arg]

@@ -517,7 +517,9 @@ def _local_search(
 
 def _plan_key(cand: Candidate) -> tuple:
     """What makes two candidates the same plan (the proposer aside)."""
-    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual, cand.split)
+    # A stage of one replica splits nothing: (False,) * S, () and a flag on it are the same plan.
+    split = tuple(cand.splits(k) for k in range(len(cand.stages)))
+    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual, split if any(split) else ())
 
 
 def _neighbours(problem: Problem, req: Request, cand: Candidate, seen: set[tuple]) -> list[Scored]:

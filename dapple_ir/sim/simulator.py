@@ -111,6 +111,8 @@ from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.plan_dir import read_module
+from dapple_ir.pricing.collectives import ring_allreduce
+from dapple_ir.pricing.host import host_work_s, optimizer_step_s
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
 from dapple_ir.units import format_bytes, format_seconds
 
@@ -468,12 +470,9 @@ class _Simulator:
 
     def optimizer_s(self, rank: int) -> float:
         kind = self.cluster.device(self.devices[rank])
-        if kind.mem_bandwidth == _INF:
-            return 0.0
         # Replicas host the same stages: `sizes` reads each distinct set once, not once per rank.
         param_bytes = self.sizes.param_bytes(self.hosted[rank])
-        state = memory.optimizer_state_factor(self.module.attrs.optimizer)
-        return (3.0 + 2.0 * state) * param_bytes / kind.mem_bandwidth
+        return optimizer_step_s(kind, param_bytes, memory.optimizer_state_factor(self.module.attrs.optimizer))
 
     def reduced(self, instr: Instr) -> tuple[tuple, float]:  # type: ignore[type-arg]
         """(what is reduced over which group, bytes) of an allreduce."""
@@ -864,17 +863,15 @@ class _Simulator:
         present.append((t, rank, index))
         if len(present) < len(what[0]):
             return key
-        group = [self.devices[m] for m in what[0]]
-        steps = self.network.ring(group)
-        # Nothing to reduce costs nothing, as in `Network.allreduce_s`; the hosts' reduction comes after the links.
-        latency = 2 * (len(steps) - 1) * self.network.ring_latency(group) if steps and nbytes > 0 else 0.0
-        latency += self.network.reduce_s(nbytes, group) if steps else 0.0
-        paths = [self.network.path(a, b) for a, b in steps] if nbytes > 0 else []
+        ring = ring_allreduce(self.network, [self.devices[m] for m in what[0]])
+        # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links.
+        latency = ring.latency_s(nbytes) + ring.host_s(nbytes)
+        paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
         paths = [p for p in paths if not self.sharing.is_free(p)]
         if not paths:
             self.finish_reduce(key, t + latency)
             return key
-        per_step = 2 * (len(steps) - 1) / len(steps) * nbytes
+        per_step = ring.step_bytes(nbytes)
         self.pending[key] = [len(paths), latency]
         for path in paths:
             flow, moved = self.sharing.start(t, path, per_step)
@@ -1008,8 +1005,8 @@ def host_s(program: RankProgram, kind: DeviceKind) -> list[float]:
         if instr.kind in (InstrKind.SEND, InstrKind.RECV):
             messages += 1
         elif instr.kind in COMPUTE_STREAM_KINDS:
-            own = kind.instruction_overhead if instr.kind is not InstrKind.OPTIMIZER_STEP else 0.0
-            seconds[i], messages = own + messages * kind.message_overhead, 0
+            own = instr.kind is not InstrKind.OPTIMIZER_STEP
+            seconds[i], messages = host_work_s(kind, own, messages), 0
     return seconds
 
 

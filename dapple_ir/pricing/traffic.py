@@ -4,7 +4,7 @@ Per iteration, a cut between stages a and b moves each microbatch's activation f
 that hold its rows in a to those that take them in b, and its gradient back (`cut_pieces`: round
 robin, microbatch m lives whole on replica m % R; split, replica j of R holds rows
 [j b // R, (j + 1) b // R) of every microbatch); a replicated stage's ring allreduce moves 2(n-1)/n of its
-gradient bytes over each step of the ring (`dapple_ir.cluster.topology.Network.ring`). A link can
+gradient bytes over each step of the ring (`dapple_ir.pricing.collectives.RingAllreduce`). A link can
 carry no more than its bandwidth, so no iteration is shorter than the busiest link's bytes /
 bandwidth: the *card floor* when taken over the network cards, which is what the cost model adds to
 its pipeline formula (`cost_model.evaluate`), the DP carries per card (`dp.solve`) and the ILP
@@ -15,7 +15,7 @@ iteration is never below the floor either.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 
 from dapple_ir.cluster.topology import Network
@@ -96,17 +96,6 @@ def cut_s(
                     loads[link] += share
         per_byte = max(per_byte, *(load / network.links[k].bandwidth for k, load in loads.items()), 0.0)
     return per_byte, latency
-
-
-def ring_crossings(network: Network, devices: Sequence[int]) -> Counter[int]:
-    """Per link: how many steps of the ring allreduce over `devices` cross it; each step carries
-    `ring_step_bytes` of the gradients."""
-    return network.ring_load(devices)
-
-
-def ring_step_bytes(nbytes: float, replicas: int) -> float:
-    """Bytes each step of a ring allreduce over `replicas` devices sends: 2(n-1)/n of the gradients."""
-    return 2 * (replicas - 1) / replicas * nbytes if replicas > 1 else 0.0
 
 
 def busiest(network: Network, loads: dict[int, float], links: Sequence[int] | None = None) -> tuple[int, float]:

@@ -1,0 +1,316 @@
+"""The per-layer prices of a coarsened module on a resolved cluster: what every planner and the cost model read.
+
+A `Problem` is built once per plan (`problem_from_module`) from the module's captured costs and the
+cluster. It owns the compute time of a layer range at any number of rows (the roofline ops priced
+again, every other op's fixed part kept and the rest scaled: `times_at`), the host's own work per
+instruction and message (`host_s`), a split backward's extra (`split_s`), the optimizer step
+(`optimizer_s`), the static bytes of a layer range with each parameter counted once (`static_of`,
+`grads_of`: a tied embedding read by two layers of one stage is one parameter), and the ring
+allreduce of a device group (`ring`, `dapple_ir.pricing.collectives`). The IR's costs stay as captured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.analysis.peak_memory import param_ops
+from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
+from dapple_ir.cluster.roofline import OpRoofline, fixed_s
+from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.topology import Network
+from dapple_ir.errors import PlanError
+from dapple_ir.ir import Module, Op, OpKind, TensorType
+from dapple_ir.pricing.collectives import RingAllreduce, ring_allreduce
+from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+
+
+@dataclass
+class Problem:
+    """Per-layer costs of a coarsened module, for one cluster and global batch."""
+
+    fwd_s: list[float]
+    """Forward time per layer at `cost_batch`."""
+    bwd_s: list[float]
+    """Backward time per layer at `cost_batch`."""
+    act_bytes: list[float]
+    """Activation bytes kept for backward per layer at `cost_batch`."""
+    static_bytes: list[float]
+    """Parameters + gradients + optimizer state + buffers per layer (batch independent)."""
+    grad_bytes: list[float]
+    """Gradient bytes per layer: what the stage allreduce moves."""
+    cut_bytes: list[float]
+    """Bytes crossing the cut after each layer at `batch` (0 after the last)."""
+    cluster: ClusterSpec
+    global_batch: int
+    cost_batch: int
+    batch: int
+    names: list[str] = field(default_factory=list)
+    """Layer names, for reports."""
+    fwd_fixed_s: list[float] = field(default_factory=list)
+    """The part of each layer's forward time that does not shrink with the microbatch (its op
+    calls' fixed cost, `roofline.fixed_s`); empty: none."""
+    bwd_fixed_s: list[float] = field(default_factory=list)
+    """The same for the backward."""
+    roofline: list[tuple[OpRoofline, ...]] = field(default_factory=list)
+    """Per layer, its ops whose times are the roofline's (`roofline_ops`): priced again at each microbatch
+    size, where the rest of the layer's time (and the fixed parts above: theirs only) moves affinely. Empty:
+    no such op anywhere."""
+    unsplittable: frozenset[int] = frozenset()
+    """Layers whose ops normalise over the batch (batch norm): a stage holding one cannot split its
+    microbatches (each replica would normalise its rows alone)."""
+    unsliceable: frozenset[int] = frozenset()
+    """Cuts (after layer k) that carry a value depending on the data without the batch in dimension 0
+    (a flattened [b * s, d]): a stage on either side of one cannot split (`lower-comm` could not slice it)."""
+    weight_ops: list[int] = field(default_factory=list)
+    """Per layer, its ops that read trainable parameters (`peak_memory.param_ops`): under zb-h1 each costs a
+    stage that hands gradients back one more autograd pass (`DeviceKind.split_s`). Empty: none."""
+    weight_op_bytes: list[float] = field(default_factory=list)
+    """Per layer, the parameter bytes those ops read (the split's per-byte part). Empty: none."""
+    tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
+    reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
+    `lower-comm` leaves it out of their stage allreduces and sums it once over every device holding it."""
+    state_factor: float = 2.0
+    """Optimizer state bytes per parameter byte (`analysis.memory.optimizer_state_factor`; Adam: 2)."""
+    network: Network = field(init=False, repr=False, compare=False)
+    """The cluster's links (built from `cluster`)."""
+
+    def __post_init__(self) -> None:
+        self.network = Network(self.cluster)
+        self.pf = [0.0, *accumulate(self.fwd_s)]
+        self.pb = [0.0, *accumulate(self.bwd_s)]
+        self.pff = [0.0, *accumulate(self.fwd_fixed_s or [0.0] * len(self.fwd_s))]
+        self.pbf = [0.0, *accumulate(self.bwd_fixed_s or [0.0] * len(self.bwd_s))]
+        self._times: dict[int, tuple[list[float], list[float]]] = {}
+        # The roofline ops as distinct models (a transformer's blocks repeat theirs) and, per layer, (model, count).
+        models: dict[OpRoofline, int] = {}
+        self._terms = [
+            sorted(Counter(models.setdefault(op, len(models)) for op in ops).items()) for ops in self.roofline
+        ]
+        self._models = list(models)
+        self.pw = [0, *accumulate(self.weight_ops or [0] * len(self.fwd_s))]
+        self.pwb = [0.0, *accumulate(self.weight_op_bytes or [0.0] * len(self.fwd_s))]
+        self.pa = [0.0, *accumulate(self.act_bytes)]
+        self.ps = [0.0, *accumulate(self.static_bytes)]
+        self.pg = [0.0, *accumulate(self.grad_bytes)]
+
+    @property
+    def layers(self) -> int:
+        return len(self.fwd_s)
+
+    def microbatch_size(self, microbatches: int) -> int:
+        return self.global_batch // microbatches
+
+    def time_scale(self, microbatches: int) -> float:
+        """Factor from costs at `cost_batch` to one microbatch (of the variable part of a time)."""
+        return self.microbatch_size(microbatches) / self.cost_batch
+
+    def prefix_times(self, microbatches: int) -> tuple[list[float], list[float]]:
+        """Prefix sums of the layers' forward and backward times for one microbatch of M: the fixed
+        parts as they are, the rest scaled from `cost_batch` (`roofline.rescaled_s`, per layer)."""
+        return self.times_at(self.microbatch_size(microbatches))
+
+    def times_at(self, rows: int) -> tuple[list[float], list[float]]:
+        """`prefix_times` for a microbatch of `rows` samples (a split replica's rows, `stage_rows`)."""
+        found = self._times.get(rows)
+        if found is None:
+            k = rows / self.cost_batch
+            found = (
+                [fixed + (t - fixed) * k for t, fixed in zip(self.pf, self.pff, strict=True)],
+                [fixed + (t - fixed) * k for t, fixed in zip(self.pb, self.pbf, strict=True)],
+            )
+            if self.roofline:
+                found = self._repriced(found, rows)
+            self._times[rows] = found
+        return found
+
+    def _repriced(self, affine: tuple[list[float], list[float]], rows: int) -> tuple[list[float], list[float]]:
+        """`affine`'s prefix sums with each roofline op's affine move from `cost_batch` replaced by its roofline
+        price at `rows`. Ops alike (a transformer's blocks repeat theirs) are priced once per size: a large plan
+        asks for many sizes (a split stage's rows for each replica count)."""
+        kind = self.cluster.device(0)
+        k = rows / self.cost_batch
+        # Per model: what pricing it at `rows` adds to the affine move of its time at `cost_batch` (which the
+        # affine sums scaled whole: its fixed part is not in pff/pbf).
+        delta = []
+        for model in self._models:
+            at_cost, at_rows = model.times(self.cost_batch, kind), model.times(rows, kind)
+            delta.append((at_rows[0] - at_cost[0] * k, at_rows[1] - at_cost[1] * k))
+        fwd, bwd = [0.0], [0.0]
+        extra_f = extra_b = 0.0
+        for layer, terms in enumerate(self._terms):
+            for index, count in terms:
+                extra_f += count * delta[index][0]
+                extra_b += count * delta[index][1]
+            fwd.append(affine[0][layer + 1] + extra_f)
+            bwd.append(affine[1][layer + 1] + extra_b)
+        return fwd, bwd
+
+    def static_of(self, lo: int, hi: int) -> float:
+        """Static bytes of layers [lo, hi) with each parameter once: a parameter several of them read (a tied
+        embedding and LM head) is summed per layer in `static_bytes`, so its extra copies come off here."""
+        return self.ps[hi] - self.ps[lo] - self._shared_extra(lo, hi) * (2.0 + self.state_factor)
+
+    def grads_of(self, lo: int, hi: int) -> float:
+        """Trainable parameter (and gradient) bytes of layers [lo, hi), each parameter once."""
+        return self.pg[hi] - self.pg[lo] - self._shared_extra(lo, hi)
+
+    def _shared_extra(self, lo: int, hi: int) -> float:
+        extra = 0.0
+        for nbytes, layers in self.tied:
+            inside = sum(1 for k in layers if lo <= k < hi)
+            if inside > 1:
+                extra += (inside - 1) * nbytes
+        return extra
+
+    def host_s(self, devices: Sequence[int], instructions: int, messages: int) -> float:
+        """The host's own seconds for `instructions` compute instructions and `messages` sends and receives on
+        the slowest of `devices` (`pricing.host.host_work_s`)."""
+        return max(host_work_s(self.cluster.device(d), instructions, messages) for d in devices)
+
+    def split_s(self, lo: int, hi: int, devices: Sequence[int]) -> float:
+        """What splitting the backward of layers [lo, hi) into an input and a weight pass (zb-h1) adds: one
+        autograd pass per weight op and the bytes of their parameters, at the slowest device's `split_s`."""
+        ops, nbytes = self.pw[hi] - self.pw[lo], self.pwb[hi] - self.pwb[lo]
+        return max(self.cluster.device(d).split_s(ops, nbytes) for d in devices)
+
+    def optimizer_s(self, lo: int, hi: int, devices: Sequence[int]) -> float:
+        """The optimizer step over layers [lo, hi)'s parameters on the slowest of `devices`."""
+        nbytes = self.grads_of(lo, hi)
+        return max(optimizer_step_s(self.cluster.device(d), nbytes, self.state_factor) for d in devices)
+
+    def ring(self, devices: Sequence[int]) -> RingAllreduce:
+        """The ring allreduce over `devices` (`pricing.collectives`)."""
+        return ring_allreduce(self.network, devices)
+
+    def allreduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
+        """A ring allreduce of `nbytes` over `devices`, alone on the network."""
+        return self.ring(devices).seconds(nbytes)
+
+    def capacity(self, device: int) -> float:
+        return self.cluster.device(device).memory_bytes
+
+    def can_split(self, lo: int, hi: int) -> bool:
+        """Can a stage of layers [lo, hi) split its microbatches over its replicas?"""
+        if self.unsliceable and ((lo - 1) in self.unsliceable or (hi - 1) in self.unsliceable):
+            return False
+        return not any(lo <= k < hi for k in self.unsplittable)
+
+
+def op_roofline(module: Module, op: Op, efficiency: float, recorded_at: int) -> OpRoofline:
+    """What the roofline prices `op` from: the FLOPs and bytes capture recorded for `recorded_at` samples (the
+    module's `batch`), its parameters as the bytes read whatever the batch, its result's element type (which
+    picks the peak: f16 tensor cores are far faster than f32) and `efficiency`."""
+    a = op.attrs
+    return OpRoofline.at_batch(
+        recorded_at,
+        (a.fwd_flops or 0.0, a.bwd_flops or 0.0),
+        a.mem_bytes or 0.0,
+        module.param_bytes_of([op]),
+        op.type.dtype if isinstance(op.type, TensorType) else "f32",
+        efficiency,
+    )
+
+
+def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
+    """The ops whose times are the roofline's on `cluster`'s device (its first kind) at the module's `cost_batch`
+    (`annotate-cost`'s analytic source with the cluster's efficiencies), each with what prices it at any batch.
+    An op measured (a profile) or priced with other efficiencies is not among them: its time moves with the
+    batch affinely (`rescaled_s`)."""
+    batch = module.attrs.batch
+    cost_batch = module.attrs.cost_batch or batch
+    if not batch or not cost_batch:
+        return {}
+    kind = cluster.device(0)
+    found: dict[Op, OpRoofline] = {}
+    for op in module.ops:
+        a = op.attrs
+        if a.fwd_s is None or a.bwd_s is None or (a.fwd_flops is None and a.mem_bytes is None):
+            continue
+        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch)
+        fwd, bwd = model.times(cost_batch, kind)
+        if math.isclose(fwd, a.fwd_s, rel_tol=1e-9, abs_tol=1e-15) and math.isclose(
+            bwd, a.bwd_s, rel_tol=1e-9, abs_tol=1e-15
+        ):
+            found[op] = model
+    return found
+
+
+def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int) -> Problem:
+    """The planner's view of a coarsened module (`module.layers` must be set)."""
+    if not module.layers:
+        raise PlanError(f"module @{module.name} has no layers; run 'coarsen' before 'plan'")
+    state = optimizer_state_factor(module.attrs.optimizer)
+    factor = 2.0 + state
+    static, grads = [], []
+    for layer in module.layers:
+        params = module.param_bytes_of(layer.ops)
+        buffers = sum(
+            p.nbytes
+            for p in module.params
+            if p.attrs.buffer and any(p.name in (op.attrs.params or ()) for op in layer.ops)
+        )
+        static.append(params * factor + buffers)
+        grads.append(params)
+    batch = module.attrs.batch or module.attrs.cost_batch or 1
+    kind = cluster.device(0)
+    priced = roofline_ops(module, cluster)
+    weighted = [param_ops(module, layer.ops) for layer in module.layers]
+    return Problem(
+        fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
+        bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
+        act_bytes=[layer.attrs.act_bytes or 0.0 for layer in module.layers],
+        static_bytes=static,
+        grad_bytes=grads,
+        cut_bytes=[layer.attrs.cut_bytes or 0.0 for layer in module.layers],
+        cluster=cluster,
+        global_batch=global_batch,
+        cost_batch=module.attrs.cost_batch or batch,
+        batch=batch,
+        names=[layer.name for layer in module.layers],
+        fwd_fixed_s=[
+            sum(fixed_s(op.attrs.fwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
+        ],
+        bwd_fixed_s=[
+            sum(fixed_s(op.attrs.bwd_s or 0.0, kind) for op in layer.ops if op not in priced) for layer in module.layers
+        ],
+        roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
+        weight_ops=[len(ops) for ops in weighted],
+        weight_op_bytes=[module.param_bytes_of(ops) for ops in weighted],
+        tied=_tied_layers(module),
+        state_factor=state,
+        unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
+        unsliceable=_unsliceable_cuts(module),
+    )
+
+
+def _unsliceable_cuts(module: Module) -> frozenset[int]:
+    """Cuts after layer k that a value crosses which depends on the data but has no batch dimension 0."""
+    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
+    dependent = batch_dependent(module)
+    found: set[int] = set()
+    for op in module.ops:
+        for v in op.operands:
+            if v.kind in (OpKind.INPUT, OpKind.GET_ATTR) or v not in dependent or batched(module, v):
+                continue
+            made, used = layer_of.get(v), layer_of.get(op)
+            if made is not None and used is not None and used > made:
+                found.update(range(made, used))
+    return frozenset(found)
+
+
+def _tied_layers(module: Module) -> list[tuple[float, tuple[int, ...]]]:
+    """(bytes, reading layers) of each trainable parameter that more than one layer reads."""
+    readers: dict[str, set[int]] = {}
+    for k, layer in enumerate(module.layers):
+        for op in layer.ops:
+            names = set(op.attrs.params or ()) | ({op.target} if op.kind is OpKind.GET_ATTR and op.target else set())
+            for name in names:
+                readers.setdefault(name, set()).add(k)
+    table = {p.name: p for p in module.params if not p.attrs.buffer}
+    return [(float(table[n].nbytes), tuple(sorted(ks))) for n, ks in readers.items() if len(ks) > 1 and n in table]
