@@ -38,7 +38,7 @@ def refit(calibrated: str, profile_path: str, out: str) -> None:
     four took the benchmark past its budget). The fit reads the calibrated device: with one rank per core, as here,
     it is the device `calibrate --fit` reads (a rank alone on its core)."""
     from dapple_ir.cluster.toml_file import cluster_to_toml, load_cluster_toml
-    from dapple_ir.commands.calibrate import fit_efficiency
+    from dapple_ir.frontend.calibration_fits import fit_efficiency
 
     spec = load_cluster_toml(calibrated)
     fitted = dataclasses.replace(spec, efficiency=fit_efficiency(profile_path, spec.node_kinds[0]))

@@ -68,7 +68,8 @@ from tables import Report, Table, bench_parser, median, plot_path, pyplot, save_
 from dapple_ir.backends.torch.cores import pin_rank, set_cores  # noqa: E402
 from dapple_ir.backends.torch.host_time import blocked, wake_delays  # noqa: E402
 from dapple_ir.cluster.spec import MAX_BUSY_RECEIVE_SLOWDOWN, ClusterSpec, DeviceKind, Link  # noqa: E402
-from dapple_ir.commands.calibrate import fit_wake  # noqa: E402
+from dapple_ir.frontend.calibration_fits import fit_link as fitted_link  # noqa: E402
+from dapple_ir.frontend.calibration_fits import fit_wake  # noqa: E402
 from dapple_ir.ir.parser import parse_module  # noqa: E402
 from dapple_ir.sim.simulator import HOST_BUSY_KINDS  # noqa: E402
 
@@ -775,32 +776,15 @@ def busy_receive_slowdown(found: list[Transfer], link: Link) -> float:
     return math.sqrt(low * high)
 
 
-def fitted_link(samples: list[tuple[float, float]]) -> Link:
-    """latency + bytes / bandwidth, least squares over the samples; with one message size, their mean as latency.
-
-    Least squares fits the mean cost at each size, and so does the one-size case: waiting adds up over the
-    transfers a rank waits for, so a transfer's expected cost is the mean. On a 2-core host the times have a long
-    tail (a socket thread or the woken rank waiting for a core): the mean is 2-4x the median there."""
-    if not samples:
-        return Link(math.inf, 0.0)
-    xs, ys = [b for b, _ in samples], [s for _, s in samples]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in samples) / spread if spread > 0 else 0.0
-    if slope <= 0:
-        return Link(math.inf, my)
-    return Link(1.0 / slope, max(0.0, my - slope * mx))
-
-
 def link_samples(found: list[Transfer]) -> list[tuple[float, float]]:
     """(bytes, seconds) of the transfers whose receiver was already waiting, less its wait for a core once the data
-    had come (`wake_overhead` prices that): what `fitted_link` fits the link to."""
+    had come (`wake_overhead` prices that): what `fitted_link` (`calibration_fits.fit_link`) fits the link to."""
     return [(t.nbytes, t.seconds - t.queued_s) for t in found if t.idle]
 
 
 def wake_overhead(reports: list[dict[str, Any]], warmup: int) -> float:
     """`DeviceKind.wake_overhead` as the run measured it, fitted as `dapple calibrate` fits it: the mean run-queue
-    delay of the waits that blocked (`host_time.wake_delays`, `calibrate.fit_wake`) over every rank."""
+    delay of the waits that blocked (`host_time.wake_delays`, `calibration_fits.fit_wake`) over every rank."""
     return fit_wake([d for r in reports for d in wake_delays(r, warmup)])
 
 

@@ -5,10 +5,10 @@ and loads around it, the runtime's bookkeeping; and every send and receive costs
 time of their own (handing the send to the transport, finishing a receive whose data is there; on a CPU
 the transport's socket thread shares the rank's core). `calibrate.measure_host_time` trains a small MLP with
 `dapple run` on the ranks a device has, reads the instruction spans every rank recorded, and fits
-`DeviceKind.instruction_overhead` and `message_overhead` (`commands/calibrate.fit_host_time`): what
+`DeviceKind.instruction_overhead` and `message_overhead` (`frontend/calibration_fits.fit_host_time`): what
 `dapple calibrate` writes and the simulator and the planner charge (`sim.simulator.host_s`,
 `cost_model.host_s`). From the same run it fits `DeviceKind.wake_overhead`, what a rank that blocked on a peer
-waits for a core once the peer's data is there (`wake_delays`, `commands/calibrate.fit_wake`). Here: the model it
+waits for a core once the peer's data is there (`wake_delays`, `calibration_fits.fit_wake`). Here: the model it
 trains and how a rank's report is read.
 """
 
