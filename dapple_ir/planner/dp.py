@@ -18,7 +18,8 @@ What the DP leaves out, all re-priced by `evaluate` for the plan it returns: the
 parameter whose readers fall in different stages (summed over every device holding it), the core
 floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
 card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
-thousand devices). Outside those, the DP's objective for its plan is `evaluate`'s iteration time
+thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
+the links it shares with what crosses at once. Outside those, the DP's objective for its plan is `evaluate`'s iteration time
 (`tests/test_pricing.py`).
 """
 
@@ -300,9 +301,14 @@ class _Search:
         the links it shares with what crosses at once (`cost_model.cut_transfer_s`), and how late the child's
         last round-robin replica starts (`stagger_s`)."""
         nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in self.split_counts
-        per_byte, lat = self.split_cut(start, r, child[_START], nxt)
         x = self.problem.cut_bytes[j - 1] * self.cut_scale
-        c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+        if self.vector or split_here or nxt_split:
+            per_byte, lat = self.split_cut(start, r, child[_START], nxt)
+            c = lat + x * per_byte if x > 0.0 and per_byte > 0.0 else 0.0
+        else:
+            # Many cards, neither side split: the one link the placement uses (a leave-out, module docstring).
+            one_node = self.node[start] == self.node[child[_START]] == self.node[child[_START] + nxt - 1]
+            c = (self.cluster.intra if one_node else self.cluster.inter).transfer_s(x)
         return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m)
 
     def _spans_from(self, i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
