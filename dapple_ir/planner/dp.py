@@ -19,8 +19,8 @@ parameter whose readers fall in different stages (summed over every device holdi
 floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
 card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
 thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
-the links it shares with what crosses at once. Outside those, the DP's objective for its plan is `evaluate`'s iteration time
-(`tests/test_pricing.py`).
+the links it shares with what crosses at once. Outside those, the DP's objective for its plan is
+`evaluate`'s iteration time (`tests/test_pricing.py`).
 """
 
 from __future__ import annotations
