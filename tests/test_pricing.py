@@ -171,6 +171,11 @@ split_backward_per_byte = 1.4e-10
 kind = "switch"
 bandwidth = 2.1e9
 latency = 3.6e-5
+
+[network]
+cards = 0
+bandwidth = 1e9
+latency = 1e-4
 """
 
 
