@@ -14,6 +14,8 @@ from typing import Any
 
 from dapple_ir import plan_dir
 from dapple_ir.analysis.experts import expert_lines
+from dapple_ir.analysis.mfu import model_flops, utilization
+from dapple_ir.analysis.precision import check_precision, default_precision, precision_of
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, OpKind
 from dapple_ir.pass_manager import PassManager, build_pipeline
@@ -46,6 +48,7 @@ def default_pipeline(
     virtual: int | None = None,
     recompute: str = "auto",
     replication: str = "auto",
+    precision: str = "fp32",
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
@@ -62,7 +65,7 @@ def default_pipeline(
     if replication != "auto":
         options.append(f"replication={replication}")
     coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
-    front = [] if profile else ["annotate-cost"]
+    front = [] if profile else ["annotate-cost" if precision == "fp32" else f"annotate-cost{{precision={precision}}}"]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
 
 
@@ -93,11 +96,13 @@ def compile(
     virtual: int | None = None,
     recompute: str = "auto",
     replication: str = "auto",
+    precision: str | None = None,
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
     `out_dir` may be new, empty or a previous plan; a directory holding other files is refused
-    before any work unless `force`."""
+    before any work unless `force`. `precision` (fp32, bf16, fp16) is the autocast dtype the plan trains
+    in; None: bf16 where the cluster's devices have a bf16 tensor-core rate, else fp32 (`default_precision`)."""
     if planner not in METHODS:
         raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
     if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
@@ -115,6 +120,13 @@ def compile(
             f"global batch {global_batch} is not divisible into {microbatches} microbatches; "
             f"choose --microbatches among the divisors of {global_batch}"
         )
+    if precision is not None:
+        check_precision(precision)
+    if precision is not None and pipeline is not None:
+        raise DappleError(
+            f"precision {precision} and a whole --pipeline were both given: write it into the pipeline's "
+            f"annotate-cost{{precision={precision}}} instead"
+        )
     module, spec_text = _load(model_spec, profile_batch, cluster)
     from dapple_ir.ir.structure import structure_hash
 
@@ -125,6 +137,7 @@ def compile(
     ctx = PassContext(cluster=cluster, log=log or (lambda _m: None))
     options = dict(manager or {})
     profile = module.attrs.capture_method == "profile"
+    chosen = _precision(precision, cluster, profile)
     text = pipeline or default_pipeline(
         profile=profile,
         planner=planner,
@@ -136,16 +149,33 @@ def compile(
         virtual=virtual,
         recompute=recompute,
         replication=replication,
+        precision=chosen,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)
     planner_lines = ctx.reports.get("plan", [])
     explain_lines = [*planner_lines, *expert_lines(module)]
-    report = report_text(module, plan, explain_lines if explain else planner_lines[:8])
+    report = report_text(module, plan, explain_lines if explain else planner_lines[:8], mfu=explain)
     result = CompileResult(module, plan, report, explain_lines, Path(out_dir) if out_dir else None, text)
     if out_dir is not None:
         write_plan_dir(result, Path(out_dir), runnable=not profile)
     return result
+
+
+def _precision(given: str | None, cluster: str, profile: bool) -> str:
+    """The precision a plan trains in: the one given, else the cluster's device's default; a profile's
+    times were measured, so it plans at the precision it was measured in (fp32)."""
+    if profile and given not in (None, "fp32"):
+        raise DappleError(
+            f"precision {given}: a profile's times were measured, not priced, so they cannot be re-priced in 16-bit; "
+            "plan it at fp32 or profile the model at that precision"
+        )
+    if profile or given is not None:
+        return given or "fp32"
+    from dapple_ir.cluster.toml_file import resolve_cluster
+
+    spec = resolve_cluster(cluster)
+    return default_precision(spec.device(0).peak_flops)
 
 
 def _load(model_spec: str | Module, profile_batch: int | None, cluster: str) -> tuple[Module, str]:
@@ -184,20 +214,24 @@ def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dic
         "cluster": a.cluster,
         "global_batch": a.global_batch,
         "optimizer": optimizer,
+        "precision": precision_of(module),
         "lr": None,  # the optimizer's default (`dapple run --lr` overrides it)
         "ranks": len(module.programs),
         "seed": 0,
     }
 
 
-def report_text(module: Module, plan: dict[str, Any], explain: list[str]) -> str:
+def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu: bool = False) -> str:
+    """report.txt: the plan in a few lines; with `mfu` (`--explain`) its model FLOPs, predicted MFU and floor."""
     gb = GB
     lines = [
         f"model {plan['model_spec']} on {plan['cluster']}: global batch {plan['global_batch']} = "
         f"{plan['microbatches']} microbatches x {plan['microbatch_size']}, schedule {plan['schedule']}, "
-        f"{plan['ranks']} ranks",
+        f"{plan['ranks']} ranks, precision {precision_of(module)}",
         f"predicted iteration {plan['predicted_iteration_s']:.4f} s",
     ]
+    if mfu:
+        lines += _mfu_lines(module, plan["predicted_iteration_s"])
     peaks = plan["peak_bytes"]
     for stage in module.stages:
         devices = list(stage.attrs.devices or ())
@@ -209,6 +243,15 @@ def report_text(module: Module, plan: dict[str, Any], explain: list[str]) -> str
     if explain:
         lines += ["", *explain]
     return "\n".join(lines) + "\n"
+
+
+def _mfu_lines(module: Module, iteration_s: float | None) -> list[str]:
+    """The report's MFU lines, where the plan names a cluster and its ops carry FLOP counts."""
+    if not module.attrs.cluster or not model_flops(module):
+        return []
+    from dapple_ir.cluster.toml_file import resolve_cluster
+
+    return utilization(module, resolve_cluster(module.attrs.cluster)).lines(iteration_s)
 
 
 def write_plan_dir(result: CompileResult, out: Path, *, runnable: bool) -> None:

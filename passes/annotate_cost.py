@@ -14,15 +14,29 @@ fill the device) and a part that scales (`dapple_ir.cluster.roofline.rescaled_s`
 roofline prices the target size directly; times from elsewhere (a profile, a JSON measured at
 another microbatch) are moved to it keeping their fixed part, where the pass knows the cluster
 (else linearly). The pass records the size it annotated for as `cost_batch`. Torch is not needed here.
+
+`precision=bf16|fp16` prices the plan as torch.autocast trains it (`dapple_ir.analysis.precision`): matmul-class
+ops at the device's 16-bit peak, the rest at their captured dtype's rate, and the values autocast makes 16-bit
+(their activation bytes, what crosses a cut) at 2 bytes an element. It records the choice as the module's
+`precision`; the narrowing of bytes happens once, so a 16-bit module is not re-priced at another precision.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.analysis.precision import (
+    check_precision,
+    half_fraction,
+    is_half,
+    is_matmul_class,
+    matmul_dtype,
+    precision_of,
+    sixteen_bit_values,
+)
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
 from dapple_ir.cluster.toml_file import resolve_cluster
@@ -48,6 +62,7 @@ class AnnotateCost(Pass):
     efficiency: str = option("", "fraction of peak: one number for every op class, or 'matmul:0.5;conv:0.4'")
     device: int = option(0, "device id whose kind the analytic roofline uses")
     optimizer: str = option("", "optimizer the memory model assumes (sgd, adam, ...)")
+    precision: str = option("", "fp32, bf16 or fp16: the autocast dtype the plan trains in (empty: the module's)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if self.optimizer:
@@ -55,6 +70,7 @@ class AnnotateCost(Pass):
             module.attrs.optimizer = self.optimizer
         if self.microbatch < 0:
             raise DappleError(f"annotate-cost: microbatch must be positive, not {self.microbatch}")
+        self.adopt_precision(module)
         if self.source == "analytic":
             self.analytic(ctx, module)
         else:
@@ -80,14 +96,38 @@ class AnnotateCost(Pass):
         spec = self.cluster(ctx, module)
         kind = spec.device(self.device)
         overrides = self.efficiency_overrides()
+        precision = precision_of(module)
+        half = sixteen_bit_values(module, precision)
         for op in counted:
             eff = overrides.get(op.attrs.op_class or "matmul") or spec.efficiency_of(op.attrs.op_class)
             # Weights are read once whatever the batch; only the activations' share scales.
             priced = op_roofline(module, op, eff, module.attrs.batch or target)
+            if is_matmul_class(op):
+                priced = replace(priced, dtype=matmul_dtype(precision, priced.dtype))
+            if op in half:
+                priced = replace(priced, act_bytes=priced.act_bytes * half_fraction(op))
             op.attrs.fwd_s, op.attrs.bwd_s = priced.times(target, kind)
             if op.attrs.act_bytes is not None and old:
                 op.attrs.act_bytes = op.attrs.act_bytes * target / old
-        ctx.log(f"annotate-cost: roofline on {kind.name} for {len(counted)} op(s) at {target} sample(s)")
+        ctx.log(f"annotate-cost: roofline on {kind.name} at {precision} for {len(counted)} op(s) at {target} sample(s)")
+
+    def adopt_precision(self, module: Module) -> None:
+        """Record the precision asked for, narrowing the bytes of the values autocast makes 16-bit (once)."""
+        current = precision_of(module)
+        wanted = check_precision(self.precision or current)
+        if wanted == current:
+            return
+        if is_half(current):
+            raise DappleError(
+                f"annotate-cost: module @{module.name} is already priced at {current} (its 16-bit values' bytes "
+                f"were narrowed); capture the model again to price it at {wanted}"
+            )
+        for op in sixteen_bit_values(module, wanted):
+            fraction = half_fraction(op)
+            op.attrs.out_bytes = op.out_bytes * fraction
+            if op.attrs.act_bytes is not None:
+                op.attrs.act_bytes *= fraction
+        module.attrs.precision = wanted
 
     def cluster(self, ctx: PassContext, module: Module) -> ClusterSpec:
         name = module.attrs.cluster or ctx.cluster

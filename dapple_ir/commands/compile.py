@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from dapple_ir import schedules
+from dapple_ir.analysis.precision import PRECISIONS
 from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.hf_spec import DEFAULT_BATCH, DEFAULT_SEQ, is_hf_spec, with_shape
@@ -77,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
     p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
     p.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "sgd-momentum"), default="adam")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="autocast dtype of the matmul-class ops (fp32 master weights, grads and optimizer state); "
+        "default: bf16 on devices with bf16 tensor cores (A100, H100, H200), else fp32",
+    )
     p.add_argument("--profile-batch", type=int, metavar="N", help="batch the times of a profile: spec describe")
     p.set_defaults(func=run)
 
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         virtual=args.virtual,
         recompute=args.recompute,
         replication=args.replication,
+        precision=args.precision,
         log=lambda m: print(m, file=sys.stderr),
         manager=manager,
     )

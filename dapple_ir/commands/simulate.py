@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dapple_ir import plan_dir
 from dapple_ir.errors import DappleError
+from dapple_ir.ir import Module
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else (plan if plan.is_dir() else plan.parent)
     out.mkdir(parents=True, exist_ok=True)
     print(result.summary())
+    for line in _mfu_lines(result.module, args.cluster or result.module.attrs.cluster, result.iteration_s):
+        print(line)
     if args.steady:
         print("steady state: the iteration is the period from one step's end to the next's on the last rank")
     if result.cluster_name == "ideal":
@@ -93,3 +96,13 @@ def run(args: argparse.Namespace) -> int:
         draw_timeline(overlay(timeline, measured), out / plan_dir.TIMELINE_COMPARE)
         print(f"wrote {out / plan_dir.TIMELINE_COMPARE}")
     return 0
+
+
+def _mfu_lines(module: Module, cluster: str | None, iteration_s: float) -> list[str]:
+    """Model FLOPs, predicted MFU and the hardware floor, where the cluster is known and the ops carry FLOPs."""
+    from dapple_ir.analysis.mfu import model_flops, utilization
+    from dapple_ir.cluster.toml_file import resolve_cluster
+
+    if not cluster or not model_flops(module):
+        return []
+    return utilization(module, resolve_cluster(cluster)).lines(iteration_s)

@@ -33,6 +33,10 @@ DTYPE_BYTES: dict[str, int] = {
 #: The dtypes whose values carry gradients (floating and complex).
 FLOAT_DTYPES: frozenset[str] = frozenset({"f64", "f32", "f16", "bf16", "c64"})
 
+#: The 16-bit precisions a plan may train in (`ModuleAttrs.precision`), each with the IR dtype of the values
+#: autocast makes 16-bit under it. fp32, the default, is the attribute's absence.
+HALF_PRECISIONS: dict[str, str] = {"bf16": "bf16", "fp16": "f16"}
+
 
 @dataclass(frozen=True, slots=True)
 class TensorType:
@@ -111,6 +115,9 @@ class ModuleAttrs(AttrRecord):
     """Cluster shorthand (`2x8xV100-16GB`) or path of a cluster TOML file."""
     optimizer: str | None = None
     """Optimizer the memory model assumes (`sgd`, `adam`, `adamw`)."""
+    precision: str | None = None
+    """`bf16` or `fp16`: the plan trains under torch.autocast in that dtype (matmul-class ops in 16-bit, fp32
+    master weights, gradients and optimizer state; `dapple_ir.analysis.precision`). Absent: fp32."""
     source: str | None = None
     """Where the module came from: a model spec or `profile:path`."""
     capture_method: str | None = None
@@ -154,7 +161,8 @@ class OpAttrs(AttrRecord):
     act_bytes: float | None = None
     """Bytes kept alive for the backward pass, for `cost_batch` samples."""
     out_bytes: float | None = None
-    """Bytes of the result for `cost_batch` samples, where the result type does not tell."""
+    """Bytes of the result at the module's `batch`, where the result type does not tell: an imported profile's
+    node, or a value a 16-bit plan holds narrower than captured (`annotate-cost{precision=bf16}`)."""
     param_bytes: float | None = None
     """Parameter bytes of an op whose parameters are not listed (imported profiles)."""
     params: tuple[str, ...] | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from dapple_ir.ir.core import AttrRecord, Module, Op, OpKind, TensorType, TupleType, Type
+from dapple_ir.ir.core import HALF_PRECISIONS, AttrRecord, Module, Op, OpKind, TensorType, TupleType, Type
 
 #: Attributes that count something and so must be at least 1.
 _COUNTS = frozenset({"batch", "cost_batch", "global_batch", "microbatches", "microbatch_size", "replicas"})
@@ -31,6 +31,9 @@ def type_problem(t: Type) -> str | None:
 def attr_problems(record: AttrRecord) -> Iterator[str]:
     """Each attribute of `record` whose value is out of range."""
     for name, value in record.items():
+        if name == "precision" and value not in HALF_PRECISIONS:
+            known = ", ".join(map(repr, HALF_PRECISIONS))
+            yield f"attribute precision = {value!r} must be one of {known} (fp32 is its absence)"
         numbers = value if isinstance(value, tuple) else (value,)
         for number in numbers:
             if isinstance(number, bool) or not isinstance(number, int | float):

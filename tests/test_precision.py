@@ -1,0 +1,125 @@
+"""Mixed precision as a plan property (IR text, pricing at annotate time) and MFU with its hardware floor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapple_ir.analysis.mfu import utilization
+from dapple_ir.analysis.precision import default_precision, sixteen_bit_values
+from dapple_ir.cluster.roofline import roofline_times
+from dapple_ir.cluster.spec import PRESETS
+from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.errors import DappleError, VerifyError
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
+from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.registry import PassContext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: A transformer block (see the golden file's comment for the autocast rules it exercises).
+BLOCK = (Path(__file__).parent / "golden" / "annotate_cost" / "bf16_block.in.dapple").read_text()
+
+
+def _annotated(precision: str) -> object:
+    module = parse_module(BLOCK)
+    option = "" if precision == "fp32" else f"{{precision={precision}}}"
+    PassManager(build_pipeline(f"annotate-cost{option}")).run(module, PassContext())
+    return module
+
+
+def test_precision_prints_only_when_16_bit_and_round_trips() -> None:
+    fp32 = print_module(_annotated("fp32"))  # type: ignore[arg-type]
+    assert "precision" not in fp32
+    for precision in ("bf16", "fp16"):
+        text = print_module(_annotated(precision))  # type: ignore[arg-type]
+        assert f'precision = "{precision}"' in text.splitlines()[0]
+        assert print_module(parse_module(text)) == text
+
+
+def test_verifier_names_a_bad_precision() -> None:
+    module = parse_module(BLOCK.replace('cluster = "1x1xH100"', 'cluster = "1x1xH100", precision = "fp8"'))
+    with pytest.raises(VerifyError, match="precision = 'fp8' must be one of 'bf16', 'fp16'"):
+        verify_module(module)
+
+
+def test_which_values_become_16_bit() -> None:
+    module = parse_module(BLOCK)
+    half = {op.name for op in sixteen_bit_values(module, "bf16")}
+    # The projections and what only they feed are 16-bit; the norm (fp32 weights), the residual add (fp32 + 16-bit
+    # promotes), the softmax and the sum (autocast's fp32 list), and what reads them are not.
+    assert half == {"fc1", "gelu", "fc2"}
+    assert not sixteen_bit_values(module, "fp32")
+
+
+def test_bf16_prices_matmuls_at_the_16_bit_peak_and_narrows_their_bytes() -> None:
+    fp32, bf16 = _annotated("fp32"), _annotated("bf16")
+    ops32 = {op.name: op for op in fp32.ops}  # type: ignore[attr-defined]
+    ops16 = {op.name: op for op in bf16.ops}  # type: ignore[attr-defined]
+    h100 = PRESETS["H100"]
+    eff = resolve_cluster("1x1xH100").efficiency_of("matmul")
+    fc1 = ops16["fc1"]
+    weight = 256 * 64 * 4
+    moved = weight + (fc1.attrs.mem_bytes - weight) / 2  # activations at 2 bytes, weights read in fp32
+    expected = roofline_times((fc1.attrs.fwd_flops, fc1.attrs.bwd_flops), moved, h100, "bf16", eff)
+    assert (fc1.attrs.fwd_s, fc1.attrs.bwd_s) == pytest.approx(expected, rel=1e-12)
+    assert fc1.attrs.fwd_s < ops32["fc1"].attrs.fwd_s
+    assert fc1.out_bytes == ops32["fc1"].out_bytes / 2 and fc1.attrs.act_bytes == 4096.0
+    assert ops16["gelu"].attrs.act_bytes == 4096.0
+    for name in ("x", "ln", "add", "soft", "mul"):
+        assert ops16[name].out_bytes == ops32[name].out_bytes
+        assert ops16[name].attrs.act_bytes == ops32[name].attrs.act_bytes
+
+
+def test_a_16_bit_module_is_not_repriced_at_another_precision() -> None:
+    module = _annotated("bf16")
+    again = print_module(module)  # type: ignore[arg-type]
+    PassManager(build_pipeline("annotate-cost")).run(module, PassContext())  # the module's own precision: fine
+    assert print_module(module) == again  # type: ignore[arg-type]
+    with pytest.raises(DappleError, match="already priced at bf16"):
+        PassManager(build_pipeline("annotate-cost{precision=fp32}")).run(module, PassContext())
+    with pytest.raises(DappleError, match="precision must be one of fp32, bf16, fp16, not 'fp8'"):
+        PassManager(build_pipeline("annotate-cost{precision=fp8}")).run(parse_module(BLOCK), PassContext())
+
+
+def test_default_precision_by_device() -> None:
+    assert [default_precision(PRESETS[k].peak_flops) for k in ("A100-80GB", "H100", "H200")] == ["bf16"] * 3
+    assert default_precision(PRESETS["cpu"].peak_flops) == "fp32"
+    assert default_precision(PRESETS["V100-16GB"].peak_flops) == "fp32"  # fp16 needs loss scaling: asked for
+
+
+# ------------------------------------------------------------------------------------------------ MFU
+
+PLANS = [
+    ("examples/gpt.py:factory", "1x4xH100", 16, None),
+    ("examples/gpt.py:factory", "1x4xH100", 16, "fp32"),
+    ("examples/gpt.py:factory", "2x4xA100-80GB", 32, "bf16"),
+    ("examples/mlp.py:factory", "2x8xV100-16GB", 64, "fp16"),
+    ("examples/mlp.py:factory", "1x2xcpu", 8, None),
+]
+
+
+@pytest.mark.parametrize(("spec", "cluster", "batch", "precision"), PLANS)
+def test_no_prediction_below_the_hardware_floor(
+    spec: str, cluster: str, batch: int, precision: str | None, tmp_path: Path
+) -> None:
+    from dapple_ir.api import compile as compile_plan
+    from dapple_ir.sim.simulator import simulate
+
+    result = compile_plan(
+        str(ROOT / spec), cluster=cluster, global_batch=batch, precision=precision, out_dir=tmp_path / "p", explain=True
+    )
+    module = result.module
+    used = utilization(module, resolve_cluster(cluster))
+    assert used.model_flops > 0 and used.floor_s > 0
+    simulated = simulate(tmp_path / "p")
+    assert simulated.iteration_s >= used.floor_s, f"{spec} on {cluster}: simulated below the floor"
+    assert module.attrs.predicted_iteration_s >= used.floor_s
+    meta = json.loads((tmp_path / "p" / "plan.json").read_text())
+    expected = precision or ("fp32" if "cpu" in cluster else "bf16")
+    assert meta["precision"] == expected and f"precision {expected}" in result.report
+    assert "hardware floor" in result.report and "predicted MFU" in result.report
