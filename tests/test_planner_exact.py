@@ -147,7 +147,7 @@ def test_ilp_finds_the_optimum_of_vgg19_on_four_dgx_h100() -> None:
     module.attrs.optimizer = "adam"
     PassManager(build_pipeline("coarsen")).run(module)
     problem = problem_from_module(module, parse_shorthand("4x8xH100"), 1024)
-    found = solve_ilp(problem, 4, 1024, "gpipe", time_limit_s=30)
+    found = solve_ilp(problem, 4, 1024, "gpipe", time_limit_s=60)
     dp = solve(problem, 1024, "gpipe", "append-first", stages=4, front=None)
     assert found is not None and dp is not None and found.optimal
     assert found.estimate.iteration_s == pytest.approx(evaluate(problem, dp).iteration_s, rel=1e-5)

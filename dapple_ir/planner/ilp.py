@@ -281,14 +281,7 @@ def solve_ilp(
         for s, st in enumerate(hint.stages):
             for r, x in zip(choices, onehot[s], strict=True):
                 md.add_hint(x, r == st.replicas)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
-    solver.parameters.num_workers = 2
-    # CP-SAT's presolve (ortools 9.15) loses the optimum of this model once the placement one-hots
-    # are in: it proved a VGG-19 plan on 4x8xH100 optimal that the DP beat by 18 %. Its search alone
-    # is exact (matched here against exhaustive search and the DP).
-    solver.parameters.cp_model_presolve = False
-    status = solver.solve(md)
+    solver, status = _solve(md, time_limit_s)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     bounds = [solver.value(x) for x in e]
@@ -303,6 +296,27 @@ def solve_ilp(
     optimal = solved and floored
     bound_s = estimate.iteration_s if optimal else max(0.0, bound * unit)
     return IlpSolution(cand, estimate, optimal, bound_s, gap, floored)
+
+
+def _solve(md: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
+    """Solve `md` with CP-SAT's search alone, and again with its presolve where the search alone calls it
+    infeasible. Both are wrong somewhere on this model (ortools 9.15): the presolve loses the optimum once the
+    placement one-hots are in (it proved a VGG-19 plan on 4x8xH100 optimal that the DP beat by 18 %), and the
+    search alone calls small feasible models infeasible (2 stages of 2 or 3 layers on 3 devices: found by
+    `tests/test_pricing.py` against exhaustive search). Each is right where the other fails on every case tested."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    status = cp_model.UNKNOWN
+    for presolve in (False, True):
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
+        solver.parameters.num_workers = 2
+        solver.parameters.cp_model_presolve = presolve
+        status = solver.solve(md)
+        if status != cp_model.INFEASIBLE:
+            break
+    return solver, status
 
 
 def _stall(
@@ -330,6 +344,7 @@ def _stall(
         per = -(-m // r)
         warm = in_flight(schedule, stages_after, per)
         md.add(x >= warm * f).only_enforce_if(chosen)
+        md.add(4 * warm * g >= per * (4 * f + 4 * trip + back_num * bw)).only_enforce_if(chosen)
         if schedule == "zb-h1" or per <= warm:
             md.add(g >= busy + x - warm * f).only_enforce_if(chosen)
             continue
