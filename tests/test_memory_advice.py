@@ -210,9 +210,9 @@ def test_forced_stages_that_never_fit_are_named() -> None:
 
 
 def test_none_up_to_the_bound_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dapple_ir.planner import search as search_module
+    from dapple_ir.planner import memory_advice as memory_advice_module
 
-    monkeypatch.setattr(search_module, "ADVICE_MAX_DEVICES", 8)
+    monkeypatch.setattr(memory_advice_module, "ADVICE_MAX_DEVICES", 8)
     # Without recomputation: with it, 2x4 would fit.
     advice = _advice(_memory_bound_problem("1x4xV100-16GB"), dataclasses.replace(DP, recompute="none"))
     assert advice.cluster is None and "No cluster of 4-device nodes up to 2x4xV100-16GB fits it" in advice.text

@@ -75,41 +75,8 @@ def leanest_plan(
     so that the plan also fits once lowered, as the simulator counts it. With
     `recompute`, each stage may also recompute (`stage_memory`): it then holds one microbatch's
     activations and, per microbatch in flight, its input; whichever needs fewer replicas."""
-    cap = problem.capacity(0)
-    b = problem.microbatch_size(microbatches)
-    act_scale = b / problem.cost_batch
-    cut_scale = b / problem.batch if transfers else 0.0
-    layers = problem.layers
-    ps, pa, cut = problem.ps, problem.pa, problem.cut_bytes
-
-    def replicas(lo: int, hi: int, n: int) -> int | None:
-        """The fewest replicas with which layers [lo, hi), n-th stage from the end, fit."""
-        received = cut[lo - 1] * cut_scale if lo > 0 else 0.0
-        grad = cut[hi - 1] * cut_scale if hi < layers else 0.0
-        # Receives posted one compute ahead hold up to one compute's inputs more (`peak_memory.post_headroom`).
-        ahead = max(received, grad)
-        room = cap - (ps[hi] - ps[lo]) - grad - ahead
-        full = (pa[hi] - pa[lo]) * act_scale
-        plain = fewest(room, full + received, n)
-        if not recompute:
-            return plain
-        # Recomputing: one microbatch's activations, and the input per microbatch in flight (received
-        # with `transfers`, the same bytes: counted once).
-        rerun = fewest(room - full, cut[lo - 1] * b / problem.batch if lo > 0 else 0.0, n)
-        return rerun if plain is None else plain if rerun is None else min(plain, rerun)
-
-    def fewest(room: float, act: float, n: int) -> int | None:
-        """The fewest replicas holding `act` bytes per microbatch in flight within `room`."""
-        if room < 0:
-            return None
-        if in_flight(schedule, n, microbatches) * act <= room:
-            return 1
-        held = math.floor(room / act)
-        if held < 1:
-            return None
-        # The fewest R with ceil(M / R) <= held: no schedule then holds more than `held`.
-        return -(-microbatches // held)
-
+    fit = _StageFit(problem, microbatches, schedule, transfers=transfers, recompute=recompute)
+    layers, ps, cap = problem.layers, problem.ps, fit.cap
     # rounds[n - 1][lo]: (devices, end of the first stage, its replicas) of the leanest plan of
     # layers [lo, L) as exactly n stages.
     rounds: list[list[tuple[float, int, int]]] = []
@@ -126,7 +93,7 @@ def leanest_plan(
                 rest = previous[hi][0]
                 if rest == math.inf:
                     continue
-                r = replicas(lo, hi, n)
+                r = fit.replicas(lo, hi, n)
                 if r is not None and r + rest < current[lo][0]:
                     current[lo] = (r + rest, hi, r)
         rounds.append(current)
@@ -142,3 +109,44 @@ def leanest_plan(
         counts.append(r)
         lo = hi
     return LeanPlan(tuple(bounds), tuple(counts))
+
+
+class _StageFit:
+    """How many replicas a stage needs to fit in memory under `leanest_plan`'s rules."""
+
+    def __init__(self, problem: Problem, microbatches: int, schedule: str, *, transfers: bool, recompute: bool):
+        self.problem, self.microbatches, self.schedule, self.recompute = problem, microbatches, schedule, recompute
+        self.cap = problem.capacity(0)
+        self.b = problem.microbatch_size(microbatches)
+        self.act_scale = self.b / problem.cost_batch
+        self.cut_scale = self.b / problem.batch if transfers else 0.0
+
+    def replicas(self, lo: int, hi: int, n: int) -> int | None:
+        """The fewest replicas with which layers [lo, hi), n-th stage from the end, fit."""
+        problem = self.problem
+        ps, pa, cut = problem.ps, problem.pa, problem.cut_bytes
+        received = cut[lo - 1] * self.cut_scale if lo > 0 else 0.0
+        grad = cut[hi - 1] * self.cut_scale if hi < problem.layers else 0.0
+        # Receives posted one compute ahead hold up to one compute's inputs more (`peak_memory.post_headroom`).
+        ahead = max(received, grad)
+        room = self.cap - (ps[hi] - ps[lo]) - grad - ahead
+        full = (pa[hi] - pa[lo]) * self.act_scale
+        plain = self.fewest(room, full + received, n)
+        if not self.recompute:
+            return plain
+        # Recomputing: one microbatch's activations, and the input per microbatch in flight (received
+        # with `transfers`, the same bytes: counted once).
+        rerun = self.fewest(room - full, cut[lo - 1] * self.b / problem.batch if lo > 0 else 0.0, n)
+        return rerun if plain is None else plain if rerun is None else min(plain, rerun)
+
+    def fewest(self, room: float, act: float, n: int) -> int | None:
+        """The fewest replicas holding `act` bytes per microbatch in flight within `room`."""
+        if room < 0:
+            return None
+        if in_flight(self.schedule, n, self.microbatches) * act <= room:
+            return 1
+        held = math.floor(room / act)
+        if held < 1:
+            return None
+        # The fewest R with ceil(M / R) <= held: no schedule then holds more than `held`.
+        return -(-self.microbatches // held)
