@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dapple_ir.analysis.precision import precision_of
 from dapple_ir.backends.torch.results import CheckResult, RunResult
-from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, NORMALISING, RTOL
+from dapple_ir.backends.torch.tolerances import NOISE_FLOOR, NORMALISING, TOLERANCES, Tolerance
 from dapple_ir.errors import RuntimeFailure
 from dapple_ir.plan_dir import Plan
 
@@ -29,9 +30,12 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
       gradients were compared, and their steps are noise normalised to the learning rate;
     - buffers of unreplicated stages like parameters; a replicated stage's buffers are averaged over
       its replicas (its microbatches are not run in one sequence), so they must agree across them.
+
+    ATOL, RTOL and GRAD_ATOL are those of the plan's precision (`tolerances.TOLERANCES`).
     """
     from dapple_ir.backends.torch.reference import train_reference
 
+    tol = TOLERANCES[precision_of(plan.module)]
     ref = train_reference(
         plan.model_spec,
         seed=plan.seed,
@@ -41,6 +45,7 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
         optimizer=optimizer,
         lr=lr,
         sites=result.sites,
+        precision=precision_of(plan.module),
     )
     scales = [max((float(g.abs().max()) for g in step.values() if g.numel()), default=0.0) for step in ref.grads]
     failures: list[str] = []
@@ -50,10 +55,10 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
         zip(result.losses, ref.losses[result.first_step :], strict=True), result.first_step
     ):
         loss.add(abs(got - want), f"step {step}")
-        if abs(got - want) > ATOL + RTOL * abs(want):
+        if abs(got - want) > tol.atol + tol.rtol * abs(want):
             failures.append(f"loss of step {step}: {got:.7g}, the reference {want:.7g}")
             bad_steps.add(step)
-    grad = _compare_grads(result, ref.grads, scales, failures, bad_steps)
+    grad = _compare_grads(result, ref.grads, scales, failures, bad_steps, tol)
     noisy = _noise_masks(ref.grads, scales) if optimizer in NORMALISING else {}
     param = _Worst()
     for rank, tensors in result.params.items():
@@ -62,8 +67,8 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
             if name not in ref.params:
                 raise RuntimeFailure(f"rank {rank} holds parameter {name} that the reference model does not have")
             mask = noisy.get(name)
-            _compare(value, ref.params[name], mask, f"parameter {name} on rank {rank}", param, failures)
-    buffer, averaged = _compare_buffers(plan, result, ref.buffers, failures)
+            _compare(value, ref.params[name], mask, f"parameter {name} on rank {rank}", param, failures, tol)
+    buffer, averaged = _compare_buffers(plan, result, ref.buffers, failures, tol)
     return CheckResult(
         max_loss_diff=loss.diff,
         max_param_diff=param.diff,
@@ -127,6 +132,7 @@ def _compare_grads(
     scales: list[float],
     failures: list[str],
     bad_steps: set[int],
+    tol: Tolerance,
 ) -> _Worst:
     worst = _Worst()
     for rank, steps in result.grads.items():
@@ -140,11 +146,11 @@ def _compare_grads(
                 diff = (value - want).abs()
                 where = f"gradient of {name} on rank {rank} at step {step}"
                 worst.add(float(diff.max()) / scale if scale > 0 and diff.numel() else 0.0, where)
-                if bool((diff > RTOL * want.abs() + GRAD_ATOL * scale).any()):
+                if bool((diff > tol.rtol * want.abs() + tol.grad_atol * scale).any()):
                     bad_steps.add(step)
                     failures.append(
-                        f"{where}: max |diff| {float(diff.max()):.3g}, allowed {RTOL:g} of the element plus "
-                        f"{GRAD_ATOL * scale:.3g} ({GRAD_ATOL:g} of the step's largest gradient, {scale:.3g})"
+                        f"{where}: max |diff| {float(diff.max()):.3g}, allowed {tol.rtol:g} of the element plus "
+                        f"{tol.grad_atol * scale:.3g} ({tol.grad_atol:g} of the step's largest gradient, {scale:.3g})"
                     )
     return worst
 
@@ -160,7 +166,13 @@ def _noise_masks(ref_grads: list[dict[str, torch.Tensor]], scales: list[float]) 
 
 
 def _compare(
-    got: torch.Tensor, want: torch.Tensor, skip: torch.Tensor | None, where: str, worst: _Worst, failures: list[str]
+    got: torch.Tensor,
+    want: torch.Tensor,
+    skip: torch.Tensor | None,
+    where: str,
+    worst: _Worst,
+    failures: list[str],
+    tol: Tolerance,
 ) -> None:
     """Elementwise within ATOL + RTOL (integers exactly), leaving out the elements `skip` marks."""
     if got.shape != want.shape:
@@ -172,7 +184,7 @@ def _compare(
             failures.append(f"{where}: {got.tolist()}, the reference {want.tolist()}")
         return
     diff = (got - want).abs()
-    bad = diff > ATOL + RTOL * want.abs()
+    bad = diff > tol.atol + tol.rtol * want.abs()
     if skip is not None:
         diff, bad = diff.masked_fill(skip, 0.0), bad & ~skip
     worst.add(float(diff.max()) if diff.numel() else 0.0, where)
@@ -181,7 +193,7 @@ def _compare(
 
 
 def _compare_buffers(
-    plan: Plan, result: RunResult, ref_buffers: dict[str, torch.Tensor], failures: list[str]
+    plan: Plan, result: RunResult, ref_buffers: dict[str, torch.Tensor], failures: list[str], tol: Tolerance
 ) -> tuple[_Worst, int]:
     """Unreplicated stages' buffers against the reference; replicated stages' across their replicas."""
     replicas = {stage.name: stage.attrs.replicas or 1 for stage in plan.module.stages}
@@ -195,7 +207,7 @@ def _compare_buffers(
             if replicas.get(stage, 1) > 1:
                 copies.setdefault(key, []).append((rank, value))
             else:
-                _compare(value, ref_buffers[name], None, f"buffer {name} on rank {rank}", worst, failures)
+                _compare(value, ref_buffers[name], None, f"buffer {name} on rank {rank}", worst, failures, tol)
     for key, held in copies.items():
         first_rank, first = held[0]
         for rank, value in held[1:]:

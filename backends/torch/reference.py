@@ -4,7 +4,9 @@ It shares nothing with the pipelined path but the model spec, the seed, the data
 optimizer choice and the rule that seeds random draws: the original `nn.Module` (not the captured
 graph) runs each of the M microbatches of the global batch, each loss is scaled by 1/M, gradients
 accumulate, and the optimizer steps. Its k-th random draw in a microbatch takes the k-th of `sites`
-(the pipeline's draws in graph order), so dropout masks equal the pipeline's.
+(the pipeline's draws in graph order), so dropout masks equal the pipeline's. Under a 16-bit precision the
+model and its loss run under the same autocast and, for fp16, the same loss scale and overflow rule as the
+pipeline's (`mixed_precision`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from dapple_ir.backends.torch.data import check_batch, data_function, microbatch, synthetic_batch
+from dapple_ir.backends.torch.mixed_precision import LossScaler, autocast, loss_scaler, step_with_scaler
 from dapple_ir.backends.torch.random_draws import Site, drawing_in_order
 from dapple_ir.backends.torch.runtime import make_optimizer
 from dapple_ir.errors import DappleError
@@ -33,6 +36,8 @@ class ReferenceResult:
     """The gradient of every trainable parameter the optimizer saw at each step (zeros where none)."""
     batch_norm_values: dict[str, int] = field(default_factory=dict)
     """Per batch-norm module, the fewest values per channel it normalised over (batch x spatial)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """fp16: the steps an overflow skipped."""
 
 
 #: Batch-norm module types whose per-channel statistics the reference watches.
@@ -49,6 +54,7 @@ def train_reference(
     optimizer: str,
     lr: float,
     sites: list[Site] | tuple[Site, ...] = (),
+    precision: str = "fp32",
 ) -> ReferenceResult:
     """Train `spec`'s model for `steps` steps on one CPU device, microbatched like the plan.
 
@@ -69,6 +75,8 @@ def train_reference(
     losses: list[float] = []
     grads: list[dict[str, torch.Tensor]] = []
     values = _watch_batch_norms(model)
+    scaler = loss_scaler(precision)
+    skipped: list[int] = []
     for step in range(steps):
         if data_fn is not None:
             inputs, targets = data_fn(step, global_batch, seed)
@@ -82,12 +90,16 @@ def train_reference(
             ts = microbatch(targets, mb, microbatch_size)
             positional = xs[: len(xs) - len(kw_names)]
             keywords = dict(zip(kw_names, xs[len(xs) - len(kw_names) :], strict=True))
-            with drawing_in_order(seed, step, mb, list(sites), f"the model of {spec} (the reference)"):
+            with (
+                drawing_in_order(seed, step, mb, list(sites), f"the model of {spec} (the reference)"),
+                autocast(precision, "cpu"),
+            ):
                 loss = _loss(model(*positional, **keywords), loaded.loss_fn, ts)
-            (loss / microbatches).backward()
+            scaled = loss / microbatches
+            (scaled if scaler is None else scaler.scale_loss(scaled)).backward()
             total += float(loss.detach())
-        grads.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in trainable.items()})
-        opt.step()
+        if _optimizer_step(opt, trainable, scaler, grads):
+            skipped.append(step)
         opt.zero_grad(set_to_none=True)
         losses.append(total / microbatches)
     return ReferenceResult(
@@ -96,7 +108,27 @@ def train_reference(
         {n: b.detach().clone() for n, b in model.named_buffers()},
         grads,
         values,
+        skipped,
     )
+
+
+def _optimizer_step(
+    opt: torch.optim.Optimizer,
+    trainable: dict[str, torch.nn.Parameter],
+    scaler: LossScaler | None,
+    grads: list[dict[str, torch.Tensor]],
+) -> bool:
+    """Step (recording the gradients the optimizer sees in `grads`) unless fp16 overflowed; True if skipped."""
+
+    def step() -> None:
+        grads.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in trainable.items()})
+        opt.step()
+
+    held = [p.grad for p in trainable.values() if p.grad is not None]
+    if not step_with_scaler(scaler, held, lambda _flag: None, step, torch.device("cpu")):
+        return False
+    grads.append({n: torch.zeros_like(p) for n, p in trainable.items()})
+    return True
 
 
 def _watch_batch_norms(model: torch.nn.Module) -> dict[str, int]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from dapple_ir.backends.torch.data import microbatch
+from dapple_ir.backends.torch.mixed_precision import autocast, loss_scaler, step_with_scaler
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.run_queue import RunQueueClock
 from dapple_ir.backends.torch.split_backward import WeightPass, input_pass, weight_passes
@@ -145,6 +146,7 @@ class Runtime:
         recompute: set[str] | None = None,
         rows: tuple[int, int] | None = None,
         meter_steps: int | None = METERED_STEPS,
+        precision: str = "fp32",
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -159,6 +161,12 @@ class Runtime:
         self.record_grads = record_grads
         self.recompute = recompute or set()
         """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
+        self.precision = precision
+        """fp32, or the autocast dtype of every stage's forward (`mixed_precision`)."""
+        self.scaler = loss_scaler(precision)
+        """fp16's dynamic loss scale, agreed by all ranks at each optimizer step; None otherwise."""
+        self.skipped_steps: list[int] = []
+        """Steps whose optimizer step an fp16 overflow (on any rank) skipped."""
         self.rows = rows
         """Rows [lo, hi) of each microbatch this rank's stages compute when they split microbatches over
         their replicas (`StageAttrs.split`); None: whole microbatches."""
@@ -283,7 +291,7 @@ class Runtime:
                 # Nothing saved for backward: the inputs are kept (the rank holds them until the backward
                 # anyway) and the forward reruns with grad right before it (`_rerun`).
                 rec.args = args
-                with torch.no_grad():
+                with torch.no_grad(), autocast(self.precision, self.device.type):
                     results = self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb, self._draw_rows)
             else:
                 results = self._run_saving(stage, sm, args, mb, rec)
@@ -311,7 +319,7 @@ class Runtime:
             saved[storage.data_ptr()] = storage.nbytes()
             return t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.precision, self.device.type):
             return self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb, self._draw_rows)
 
     def _rerun(self, stage: str, mb: int, rec: _Record) -> None:
@@ -473,17 +481,32 @@ class Runtime:
 
     def optimizer_step(self) -> None:
         with self._instr("optimizer_step", None, None, None):
-            if self.record_grads and self.step == 0:
-                self.recorded_grads[self.step] = {
-                    f"{stage}/{name}": (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
-                    for stage, sm in self.stages.items()
-                    for name, p in sm.params.items()
-                }
+            grads = [p.grad for p in self.params if p.grad is not None]
+            everyone = tuple(range(self.transport.world))
+            skipped = step_with_scaler(
+                self.scaler,
+                grads,
+                lambda flag: self.transport.allreduce(flag, everyone, self.timeout),
+                self._step_optimizer,
+                self.device,
+            )
+            if skipped:
+                self.skipped_steps.append(self.step)
             if self.optimizer is not None:
-                self.optimizer.step()
                 # Zeroed, not freed: gradient buffers live for the whole run, as the IR's static bytes say, so
                 # the next step's first backward accumulates in place instead of allocating mid-pipeline.
                 self.optimizer.zero_grad(set_to_none=False)
+
+    def _step_optimizer(self) -> None:
+        """The optimizer's step on gradients as the optimizer sees them (unscaled under fp16)."""
+        if self.record_grads and self.step == 0:
+            self.recorded_grads[self.step] = {
+                f"{stage}/{name}": (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+                for stage, sm in self.stages.items()
+                for name, p in sm.params.items()
+            }
+        if self.optimizer is not None:
+            self.optimizer.step()
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -597,7 +620,8 @@ class Runtime:
         return outs, grads
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss / self.microbatches if self.rows is None else loss * (self.loss_share / self.microbatches)
+        scaled = loss / self.microbatches if self.rows is None else loss * (self.loss_share / self.microbatches)
+        return scaled if self.scaler is None else self.scaler.scale_loss(scaled)
 
     def _local(self, rows: tuple[int, int], tensor: torch.Tensor, value: str, mb: int) -> slice:
         """Where microbatch rows [lo, hi) sit in this rank's part of `value` (it holds rows from its own lo)."""
@@ -713,7 +737,13 @@ class Runtime:
             params.update({f"{stage}/{n}": p.detach().cpu().clone() for n, p in sm.params.items()})
             buffers.update({f"{stage}/{n}": b.detach().cpu().clone() for n, b in sm.graph_module.named_buffers()})
         sites = {stage: [list(site) for site in draws.sites or ()] for stage, draws in self.draws.items()}
-        return {"params": params, "buffers": buffers, "grads": dict(self.recorded_grads), "sites": sites}
+        return {
+            "params": params,
+            "buffers": buffers,
+            "grads": dict(self.recorded_grads),
+            "sites": sites,
+            "skipped_steps": list(self.skipped_steps),
+        }
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -723,6 +753,7 @@ class Runtime:
             "rank": self.rank,
             "stages": {name: sm.graph_module.state_dict() for name, sm in self.stages.items()},
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -734,6 +765,8 @@ class Runtime:
             sm.graph_module.load_state_dict(state["stages"][name])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state.get("loss_scale"), f"the checkpoint of rank {self.rank}")
         self.step = int(state["step"])
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapple_ir.analysis.precision import precision_of
 from dapple_ir.backends.torch import checkpoint
 from dapple_ir.backends.torch.codegen import rank_sources
 from dapple_ir.backends.torch.cores import pin_rank
@@ -249,6 +250,7 @@ def build_runtime(
         recompute={s.name for s in plan.module.stages if s.recompute},
         rows=rows,
         meter_steps=None if options.meter_every_step else METERED_STEPS,
+        precision=precision_of(plan.module),
     )
 
 

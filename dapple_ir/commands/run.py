@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, RTOL
+from dapple_ir.analysis.mfu import model_flops, utilization
+from dapple_ir.analysis.precision import precision_of
+from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, RTOL, TOLERANCES
+from dapple_ir.ir import Module
 from dapple_ir.units import format_bytes
 
 _EPILOG = """examples:
@@ -144,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     for i, loss in enumerate(result.losses):
         print(f"{result.first_step + i:>4}  {loss:.6f}")
     print(f"samples/s: {result.samples_per_s:.1f}")
+    module = _planned_module(args.plan_dir)
+    for line in _measured_mfu(module, result.samples_per_s):
+        print(line)
     print("measured peak memory per rank:")
     for rank, (peak, device) in enumerate(zip(result.peak_bytes, result.devices, strict=True)):
         how = "CUDA allocator peak" if device.startswith("cuda") else "bytes the runtime holds"
@@ -167,9 +173,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = result.check
     verdict = "OK" if c.ok else "MISMATCH"
+    precision = precision_of(module) if module is not None else "fp32"
+    tol = TOLERANCES[precision]
     print(
-        f"check against single-device training: {verdict} at rtol {RTOL:g}, atol {ATOL:g} "
-        f"(gradients of step 0: rtol {RTOL:g} + {GRAD_ATOL:g} of the largest)"
+        f"check against single-device training ({precision}): {verdict} at rtol {tol.rtol:g}, atol {tol.atol:g} "
+        f"(gradients of step 0: rtol {tol.rtol:g} + {tol.grad_atol:g} of the largest)"
     )
     print(f"  max |loss diff|  {c.max_loss_diff:.3g}")
     print(
@@ -187,3 +195,31 @@ def run(args: argparse.Namespace) -> int:
     for line in c.notes:
         print(f"  note: {line}")
     return 0 if c.ok else 1
+
+
+def _planned_module(plan: str) -> Module | None:
+    """The IR of the plan that just ran, for the lines printed after it (None where it cannot be read back)."""
+    from dapple_ir.errors import DappleError
+    from dapple_ir.plan_dir import read_module
+
+    try:
+        return read_module(plan)
+    except DappleError:
+        return None
+
+
+def _measured_mfu(module: Module | None, samples_per_s: float) -> list[str]:
+    """Model FLOPs, measured MFU and the floor, from the measured samples per second (where the plan names a
+    cluster and its ops carry FLOPs)."""
+    if (
+        module is None
+        or not module.attrs.cluster
+        or not model_flops(module)
+        or samples_per_s <= 0
+        or not module.attrs.global_batch
+    ):
+        return []
+    from dapple_ir.cluster.toml_file import resolve_cluster
+
+    iteration_s = module.attrs.global_batch / samples_per_s
+    return utilization(module, resolve_cluster(module.attrs.cluster)).lines(iteration_s, "measured")
