@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import PassOptionError
 from dapple_ir.ir import Module
 
@@ -54,6 +56,15 @@ class PassContext:
     """Progress and diagnostic messages for the user (stderr in the CLI)."""
     reports: dict[str, list[str]] = field(default_factory=dict)
     """Human-readable reports by pass name (the planner's `--explain` lines, ...)."""
+    clusters: dict[str, ClusterSpec] = field(default_factory=dict, repr=False)
+    """Clusters resolved so far, by shorthand or file: each is read once per compile (`cluster_spec`)."""
+
+    def cluster_spec(self, text: str) -> ClusterSpec:
+        """The cluster `text` names (a shorthand or a TOML path), resolved once for every pass that asks."""
+        found = self.clusters.get(text)
+        if found is None:
+            found = self.clusters[text] = resolve_cluster(text)
+        return found
 
 
 @dataclass(frozen=True)

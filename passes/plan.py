@@ -4,12 +4,11 @@ The planner (`dapple_ir.planner`) proposes and checks candidates with its cost m
 it the score that ranks the best few: `lower_and_simulate` lowers a candidate on a copy of the module
 (`schedule`, `lower-comm`, `insert-frees`, found by name in the registry) and simulates it.
 
-An op the roofline priced (`cost_model.roofline_ops`) is priced again at each microbatch size; any
-other op's time is affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`: a fixed part per call
-that a smaller microbatch does not shrink), while the simulator scales the costs it reads linearly
-from the module's `cost_batch`. So the simulated candidate, and the plan this pass writes, carry
-every op's time at the candidate's microbatch size (`cost_batch` = the microbatch size): the
-simulator then prices the fixed parts the planner weighed against the bubble.
+The simulator prices each candidate's ops at its microbatch size from the same prices the planner reads
+(`pricing.ops.OpPrices`, built once per plan: an op the roofline priced priced again at those rows, any
+other's fixed part kept); the IR's costs are not touched while candidates are weighed. The plan this pass
+writes records every op's time at the chosen microbatch size (`cost_batch` = the microbatch size), so a
+later `dapple simulate` of the plan reads what was weighed.
 """
 
 from __future__ import annotations
@@ -19,12 +18,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from dapple_ir import schedules
+from dapple_ir.analysis.module_cuts import split_layers
 from dapple_ir.cluster.roofline import rescaled_s
-from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Request, search, write_stages
+from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
 from dapple_ir.sim.simulator import simulate
 
@@ -46,20 +46,24 @@ class Plan(Pass):
     global_batch: int = option(0, "samples per step; 0 takes the module's global_batch")
     simulate: bool = option(True, "rank the best candidates with the simulator")
     ilp_time_limit: float = option(10.0, "seconds the CP-SAT solver may take in all")
+    split_at: tuple[str, ...] = option(
+        (), "modules where a stage begins (torch.distributed.pipelining's SplitPoint.BEGINNING); the rest is planned"
+    )
 
     def apply(self, ctx: PassContext, module: Module) -> None:
-        request = self.request()
+        request = self.request(split_layers(module, self.split_at) if self.split_at else ())
         cluster_text = module.attrs.cluster or ctx.cluster
         if not cluster_text:
             raise PlanError("plan: no cluster; give --cluster (e.g. 2x8xV100-16GB) or set the module's cluster")
-        cluster = resolve_cluster(cluster_text)
+        cluster = ctx.cluster_spec(cluster_text)
         global_batch = self.global_batch or module.attrs.global_batch or getattr(ctx, "global_batch", None)
         if not global_batch:
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
         problem = problem_from_module(module, cluster, int(global_batch))
+        prices = OpPrices(module, cluster)
 
         def score(trial: Problem, cand: Candidate) -> tuple[float, float]:
-            return lower_and_simulate(module, trial, cand)
+            return lower_and_simulate(module, trial, cand, prices)
 
         outcome = search(problem, request, score if self.simulate else None)
         write_stages(module, problem, outcome.chosen.cand)
@@ -69,8 +73,9 @@ class Plan(Pass):
         ctx.reports["plan"] = outcome.explain
         ctx.log(f"plan: {outcome.chosen.cand.describe()}, predicted {outcome.chosen.time_s:.4f} s per iteration")
 
-    def request(self) -> Request:
-        """What this pass asks the planner for (the planner checks it: `dapple_ir.planner.search.validate`)."""
+    def request(self, cuts: tuple[int, ...] = ()) -> Request:
+        """What this pass asks the planner for (the planner checks it: `dapple_ir.planner.search.validate`),
+        with the layer boundaries `split_at` names as `cuts`."""
         return Request(
             method=self.method,
             stages=self.stages,
@@ -81,28 +86,19 @@ class Plan(Pass):
             virtual=self.virtual,
             recompute=self.recompute,
             replication=self.replication,
+            cuts=cuts,
         )
 
 
-def lower_and_simulate(module: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
-    """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy."""
+def lower_and_simulate(
+    module: Module, problem: Problem, cand: Candidate, prices: OpPrices | None = None
+) -> tuple[float, float]:
+    """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy, its ops priced by
+    `prices` (by default, the module's on the problem's cluster)."""
     # The lowering passes write stages, programs and module attributes, never ops or parameters: a
     # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
     trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
     write_stages(trial, problem, cand)
-    trial.attrs.cost_batch = problem.microbatch_size(cand.microbatches)
-    # The ops are shared with `module`: their costs at this microbatch size hold for this simulation only.
-    saved = [(op, (op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes)) for op in module.ops]
-    for op, costs in _costs_at(module, problem, cand):
-        op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes = costs
-    try:
-        return _lower_and_simulate(trial, problem, cand)
-    finally:
-        for op, costs in saved:
-            op.attrs.fwd_s, op.attrs.bwd_s, op.attrs.act_bytes = costs
-
-
-def _lower_and_simulate(trial: Module, problem: Problem, cand: Candidate) -> tuple[float, float]:
     ctx = PassContext()
     lowering = [
         lookup_pass("schedule").from_options({"kind": cand.schedule, "virtual": str(cand.virtual)}),
@@ -114,7 +110,7 @@ def _lower_and_simulate(trial: Module, problem: Problem, cand: Candidate) -> tup
             lowering_pass.apply(ctx, trial)
         except DappleError as exc:
             raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
-    result = simulate(trial, cluster=problem.cluster)
+    result = simulate(trial, cluster=problem.cluster, prices=prices or OpPrices(module, problem.cluster))
     return result.iteration_s, max(result.peak_bytes, default=0.0)
 
 

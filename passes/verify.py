@@ -24,4 +24,5 @@ class Verify(Pass):
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         verify_module(module)
-        run_plan_checks(module, module.attrs.cluster or ctx.cluster)
+        text = module.attrs.cluster or ctx.cluster
+        run_plan_checks(module, ctx.cluster_spec(text) if text else None)

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "pricing": _BASE | {"ir", "cluster", "schedules", "analysis"},
     "planner": _BASE | {"ir", "cluster", "schedules", "analysis", "pricing"},
     "sim": _BASE | {"ir", "cluster", "schedules", "analysis", "plan_dir", "pricing"},
-    "registry": _BASE | {"ir"},
+    "registry": _BASE | {"ir", "cluster"},
     "plugins": _BASE | {"ir", "registry"},
     "pass_manager": _BASE | {"ir", "registry", "plugins"},
     "passes": _BASE | {"ir", "cluster", "schedules", "analysis", "pricing", "planner", "sim", "registry"},

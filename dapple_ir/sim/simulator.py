@@ -4,11 +4,10 @@ Each rank runs its program in order on one compute stream; its transfers run on 
 track so that communication overlaps compute wherever the instruction order allows.
 
 Instruction costs (b = microbatch size, see `memory.batch_scale`):
-- `forward` / `backward`: the sum of the stage's op `fwd_s` / `bwd_s` (given for `cost_batch`
-  samples) times b / cost_batch.
-- a replica of a split stage (`split` on the stage) computes its rows of the microbatch: each op
-  call's time at b, its fixed part (`DeviceKind.op_overhead`) as it is and the rest scaled to the
-  rows (`roofline.rescaled_s`); its activations are its rows' share;
+- `forward` / `backward`: the sum of the stage's ops' times at b samples, or a split replica's rows of b
+  (`pricing.ops.OpPrices`, the prices the planner reads: an op the roofline priced priced again at those rows,
+  any other's fixed part (`DeviceKind.op_overhead`) as it is and the rest scaled from `cost_batch`,
+  `roofline.rescaled_s`); a split replica's activations are its rows' share;
 - a recomputing stage (`recompute` on the stage) reruns its forward before the backward: `backward`
   (or `backward_input` when split) takes the forward time on top;
 - zero-bubble split: `backward_input` takes `f` of the stage's backward time and `backward_weight`
@@ -104,7 +103,6 @@ from dapple_ir.analysis.peak_memory import (
     weight_ops,
 )
 from dapple_ir.analysis.stage_graph import crossings, tied_params
-from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.cluster.topology import Network
@@ -113,6 +111,7 @@ from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgra
 from dapple_ir.plan_dir import read_module
 from dapple_ir.pricing.collectives import ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
 from dapple_ir.units import format_bytes, format_seconds
 
@@ -255,6 +254,7 @@ def simulate(
     backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
     durations: Mapping[tuple[int, int], float] | None = None,
     steady: bool = False,
+    prices: OpPrices | None = None,
 ) -> SimulationResult:
     """Simulate one iteration of the plan's rank programs.
 
@@ -275,6 +275,8 @@ def simulate(
     ended the step before, so a rank that ends early starts early, and the next step's first work overlaps the
     tail of the ranks that end late. Then `iteration_s` is the period, from one step's end to the next's on the
     last rank (what a run's steps measure), and `bubble_fraction` each rank's share of it spent waiting.
+    `prices`: what each op costs at any rows (`pricing.ops.OpPrices`); by default the module's recorded costs on the
+    cluster. The planner passes its own, built once per plan.
     """
     (result,) = simulate_each(
         module_or_path,
@@ -282,6 +284,7 @@ def simulate(
         cluster=cluster,
         backward_input_fraction=backward_input_fraction,
         steady=steady,
+        prices=prices,
     )
     return result
 
@@ -293,6 +296,7 @@ def simulate_each(
     cluster: ClusterSpec | str | None = None,
     backward_input_fraction: float | Mapping[str, float] = BACKWARD_INPUT_FRACTION,
     steady: bool = False,
+    prices: OpPrices | None = None,
 ) -> Iterator[SimulationResult]:
     """`simulate` once per mapping of `durations`, in order; what does not depend on them (the modelled costs,
     the routes, where each receive is posted) is worked out once (`dapple_ir.sim.spread` runs many). `steady`:
@@ -307,7 +311,7 @@ def simulate_each(
         )
     fractions = _fractions(module, backward_input_fraction)
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
-    simulator = _Simulator(module, spec, fractions)
+    simulator = _Simulator(module, spec, fractions, prices or OpPrices(module, spec))
     ends: list[float] | None = None  # steady: when each rank ended the step before
     for replay in durations:
         for (rank, index), seconds in replay.items():
@@ -392,6 +396,7 @@ class _Simulator:
         module: Module,
         cluster: ClusterSpec,
         fractions: dict[Stage, float],
+        prices: OpPrices,
     ) -> None:
         self.module = module
         self.cluster = cluster
@@ -416,7 +421,8 @@ class _Simulator:
                 lo, hi = rows(stage)
                 key = (stage, lo, hi, kind.name)
                 if key not in durations:
-                    durations[key] = _durations(module, stage, hi - lo, kind, fractions[stage])
+                    times = prices.stage_times(stage.ops, hi - lo, kind)
+                    durations[key] = _durations(module, stage, times, kind, fractions[stage])
                 fwd, bwd, bwd_input, bwd_weight = durations[key]
                 self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
                 self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
@@ -968,22 +974,13 @@ def _core_paths(cluster: ClusterSpec, devices: list[int]) -> tuple[list[tuple[in
 
 
 def _durations(
-    module: Module, stage: Stage, rows: int, kind: DeviceKind, backward_input_fraction: float
+    module: Module, stage: Stage, times: tuple[float, float], kind: DeviceKind, backward_input_fraction: float
 ) -> tuple[float, float, float, float]:
-    """(forward, backward, backward_input, backward_weight) seconds of `stage` on `rows` rows of a microbatch.
-
-    The op times are at `cost_batch` samples, scaled to the microbatch b; a split replica's `rows` < b
-    keep each op call's fixed part (`roofline.rescaled_s`). A recomputing stage reruns its forward right
-    before the backward (or its input pass). The weight pass carries the split's price (`DeviceKind.split_s` of
-    `peak_memory.weight_ops` and their parameter bytes)."""
-    scale = memory.batch_scale(module)
-    b = module.attrs.microbatch_size or rows
-
-    def at_rows(seconds: float) -> float:
-        return seconds if rows == b else rescaled_s(seconds, b, rows, kind)
-
-    fwd = sum(at_rows((op.attrs.fwd_s or 0.0) * scale) for op in stage.ops)
-    bwd = sum(at_rows((op.attrs.bwd_s or 0.0) * scale) for op in stage.ops)
+    """(forward, backward, backward_input, backward_weight) seconds of `stage` whose ops take `times` (forward,
+    backward) on a replica's rows (`pricing.ops.OpPrices.stage_times`: a split replica's rows keep each op call's fixed
+    part). A recomputing stage reruns its forward right before the backward (or its input pass). The weight pass
+    carries the split's price (`DeviceKind.split_s` of `peak_memory.weight_ops` and their parameter bytes)."""
+    fwd, bwd = times
     rerun = fwd if stage.recompute else 0.0
     f = backward_input_fraction
     # The split's own price: one more autograd pass per weight op (none where the stage hands nothing back).
