@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from functools import cache
 from operator import itemgetter
 
-from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import (
     Candidate,
@@ -209,6 +209,7 @@ class _Search:
         self.by_placement = front is None and self.vector and bool(self.card_index)
         self.group = cache(self._group)
         self.kinds = cache(self._kinds)
+        self.kind_by_name = {kind.name: kind for kind in cluster.node_kinds}
         self.overheads = cache(self._overheads)
         self.cut_cards = cache(self._cut_cards)
         self.split_cut = cache(self._split_cut)
@@ -233,16 +234,17 @@ class _Search:
         peak = max((count * self.inverse[k] for k, count in cards), default=0.0)
         return single, memory, ring.per_byte_s, ring.fixed_s, cards, peak
 
-    def _kinds(self, start: int, r: int) -> tuple[DeviceKind, ...]:
-        """The distinct device kinds of a replica group (a stage's time is its slowest kind's)."""
-        found = {self.cluster.device(d).name: self.cluster.device(d) for d in self.order[start : start + r]}
-        return tuple(found.values())
+    def _kinds(self, start: int, r: int) -> tuple[str, ...]:
+        """The names of the distinct device kinds of a replica group (a stage's time is its slowest kind's)."""
+        return tuple(sorted({self.cluster.device(d).name for d in self.order[start : start + r]}))
 
-    def _overheads(self, start: int, r: int, i: int, j: int) -> tuple[float, float, float]:
-        """(forward, backward extra, optimizer step) of a stage of layers [i, j) on the group beyond its ops:
-        the host's work per instruction and message, zb-h1's split backward, and the step, at the slowest kind
-        (as `Problem.host_s`, `split_s` and `optimizer_s` price them)."""
-        problem, group_kinds = self.problem, self.kinds(start, r)
+    def _overheads(self, kinds: tuple[str, ...], i: int, j: int) -> tuple[float, float, float]:
+        """(forward, backward extra, optimizer step) of a stage of layers [i, j) on a group of `kinds` beyond its
+        ops: the host's work per instruction and message, zb-h1's split backward, and the step, at the slowest kind
+        (as `Problem.host_s`, `split_s` and `optimizer_s` price them). Cached by kinds, not placement: a cluster of
+        one kind asks for each layer range once."""
+        problem = self.problem
+        group_kinds = [self.kind_by_name[name] for name in kinds]
         messages = (i > 0) + (j < self.layers)
         fwd = max(host_work_s(k, 1, messages) for k in group_kinds)
         bwd = max(host_work_s(k, 1 + self.zb, messages) for k in group_kinds)
@@ -350,8 +352,9 @@ class _Search:
         alone = single and d > 0 and self.node[d - 1] == self.node[start]
         per = m if split_here else -(-m // r)
         ring_factor = ring_step_bytes(1.0, r)
+        kinds, overheads = self.kinds(start, r), self.overheads
         for j, (fwd, bwd, static, a_sum, grads) in enumerate(self.spans_from(i, rows), start=i + 1):
-            host_f, host_b, opt = self.overheads(start, r, i, j)
+            host_f, host_b, opt = overheads(kinds, i, j)
             fwd, bwd = fwd + host_f, bwd + host_b
             busy = per * (fwd + bwd)
             if static > cap or busy > self.bound:

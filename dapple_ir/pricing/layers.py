@@ -161,6 +161,8 @@ class Problem:
         return self.pg[hi] - self.pg[lo] - self._shared_extra(lo, hi)
 
     def _shared_extra(self, lo: int, hi: int) -> float:
+        if not self.tied:
+            return 0.0
         extra = 0.0
         for nbytes, layers in self.tied:
             inside = sum(1 for k in layers if lo <= k < hi)
