@@ -24,7 +24,7 @@ ops at the device's 16-bit peak, the rest at their captured dtype's rate, and th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from dapple_ir.analysis.memory import optimizer_state_factor
@@ -32,8 +32,6 @@ from dapple_ir.analysis.precision import (
     check_precision,
     half_fraction,
     is_half,
-    is_matmul_class,
-    matmul_dtype,
     precision_of,
     sixteen_bit_values,
 )
@@ -101,11 +99,7 @@ class AnnotateCost(Pass):
         for op in counted:
             eff = overrides.get(op.attrs.op_class or "matmul") or spec.efficiency_of(op.attrs.op_class)
             # Weights are read once whatever the batch; only the activations' share scales.
-            priced = op_roofline(module, op, eff, module.attrs.batch or target)
-            if is_matmul_class(op):
-                priced = replace(priced, dtype=matmul_dtype(precision, priced.dtype))
-            if op in half:
-                priced = replace(priced, act_bytes=priced.act_bytes * half_fraction(op))
+            priced = op_roofline(module, op, eff, module.attrs.batch or target, half)
             op.attrs.fwd_s, op.attrs.bwd_s = priced.times(target, kind)
             if op.attrs.act_bytes is not None and old:
                 op.attrs.act_bytes = op.attrs.act_bytes * target / old

@@ -14,11 +14,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from dapple_ir.analysis.memory import optimizer_state_factor
 from dapple_ir.analysis.peak_memory import param_ops
+from dapple_ir.analysis.precision import (
+    half_fraction,
+    is_matmul_class,
+    matmul_dtype,
+    precision_of,
+    sixteen_bit_values,
+)
 from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
 from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec
@@ -204,12 +212,16 @@ class Problem:
         return not any(lo <= k < hi for k in self.unsplittable)
 
 
-def op_roofline(module: Module, op: Op, efficiency: float, recorded_at: int) -> OpRoofline:
+def op_roofline(
+    module: Module, op: Op, efficiency: float, recorded_at: int, half: AbstractSet[Op] = frozenset()
+) -> OpRoofline:
     """What the roofline prices `op` from: the FLOPs and bytes capture recorded for `recorded_at` samples (the
     module's `batch`), its parameters as the bytes read whatever the batch, its result's element type (which
-    picks the peak: f16 tensor cores are far faster than f32) and `efficiency`."""
+    picks the peak: f16 tensor cores are far faster than f32) and `efficiency`. Under the module's 16-bit
+    precision (`analysis.precision`) a matmul-class op runs at the 16-bit peak, and an op in `half` (the values
+    autocast makes 16-bit: `sixteen_bit_values`) moves its result at 2 bytes an element."""
     a = op.attrs
-    return OpRoofline.at_batch(
+    model = OpRoofline.at_batch(
         recorded_at,
         (a.fwd_flops or 0.0, a.bwd_flops or 0.0),
         a.mem_bytes or 0.0,
@@ -217,6 +229,11 @@ def op_roofline(module: Module, op: Op, efficiency: float, recorded_at: int) -> 
         op.type.dtype if isinstance(op.type, TensorType) else "f32",
         efficiency,
     )
+    if is_matmul_class(op):
+        model = replace(model, dtype=matmul_dtype(precision_of(module), model.dtype))
+    if op in half:
+        model = replace(model, act_bytes=model.act_bytes * half_fraction(op))
+    return model
 
 
 def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
@@ -230,11 +247,12 @@ def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
         return {}
     kind = cluster.device(0)
     found: dict[Op, OpRoofline] = {}
+    half = sixteen_bit_values(module, precision_of(module))
     for op in module.ops:
         a = op.attrs
         if a.fwd_s is None or a.bwd_s is None or (a.fwd_flops is None and a.mem_bytes is None):
             continue
-        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch)
+        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch, half)
         fwd, bwd = model.times(cost_batch, kind)
         if math.isclose(fwd, a.fwd_s, rel_tol=1e-9, abs_tol=1e-15) and math.isclose(
             bwd, a.bwd_s, rel_tol=1e-9, abs_tol=1e-15
