@@ -18,6 +18,7 @@ from dapple_ir.planner.cost_model import Problem, evaluate
 from dapple_ir.planner.dp import solve_priced
 from dapple_ir.planner.ilp import solve_ilp
 from dapple_ir.pricing.collectives import allreduce_s
+from dapple_ir.pricing.pipeline import in_flight
 from tests.test_planner_exact import _exhaustive
 
 GB = 1e9
@@ -224,3 +225,54 @@ def _is_number(word: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _held_by_order(schedule: str, replicas: tuple[int, ...], microbatches: int, stage: int) -> int:
+    """The most microbatches replica 0 of `stage` holds at once in the schedule's own order: forwards run whose
+    backward (or, split, whose weight pass) has not."""
+    from dapple_ir.ir import InstrKind
+    from dapple_ir.schedules import ScheduleRequest, build_schedule
+
+    orders = build_schedule(schedule, ScheduleRequest(replicas, microbatches))
+    ends = {InstrKind.BACKWARD, InstrKind.BACKWARD_WEIGHT}
+    live = peak = 0
+    for work in orders[(stage, 0)]:
+        live += work.kind is InstrKind.FORWARD
+        live -= work.kind in ends
+        peak = max(peak, live)
+    return peak
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(1, 6),
+    microbatches=st.integers(1, 16),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
+    data=st.data(),
+)
+def test_in_flight_is_what_the_schedules_order_holds(
+    stages: int, microbatches: int, schedule: str, data: st.DataObject
+) -> None:
+    """The one activations-in-flight rule (`pricing.pipeline.in_flight`) against the order each schedule builds:
+    exact for gpipe, and for 1f1b where every stage has the same replica count; with uneven replication 1f1b warms up
+    as if unreplicated (`schedules._uniform_replicas`), so a replica holds fewer and the rule is an upper bound.
+    zb-h1 defers weight passes only while its rank holds no more than 1f1b's fullest rank, so counted in microbatches
+    (no byte sizes given) no stage holds more than the rule's fullest stage."""
+    uniform = data.draw(st.booleans())
+    first = data.draw(st.integers(1, 3))
+    replicas = tuple(first if uniform else data.draw(st.integers(1, 3)) for _ in range(stages))
+    for s in range(stages):
+        per = len(range(0, microbatches, replicas[s]))
+        if per == 0:
+            continue
+        held = _held_by_order(schedule, replicas, microbatches, s)
+        rule = in_flight(schedule, stages - s, per)
+        if schedule == "zb-h1":
+            fullest = max(
+                in_flight("1f1b", stages - k, len(range(0, microbatches, replicas[k]))) for k in range(stages)
+            )
+            assert held <= max(rule, fullest)
+        elif schedule == "gpipe" or len(set(replicas)) == 1:
+            assert held == rule
+        else:
+            assert held <= rule
