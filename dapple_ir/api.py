@@ -49,10 +49,12 @@ def default_pipeline(
     recompute: str = "auto",
     replication: str = "auto",
     precision: str = "fp32",
+    split_at: tuple[str, ...] = (),
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
     `schedule` takes the kind `plan` chose, so one pass manager runs it all (one numbering of dumps).
+    `split_at` (module names where a stage begins) pins the plan's cuts, and coarsen keeps them.
     """
     options = [f"method={planner}"]
     for key, value in (("stages", stages), ("microbatches", microbatches), ("schedule", schedule), ("policy", policy)):
@@ -64,7 +66,11 @@ def default_pipeline(
         options.append(f"recompute={recompute}")
     if replication != "auto":
         options.append(f"replication={replication}")
-    coarsen = f"coarsen{{max-layers={max_layers}}}" if max_layers else "coarsen"
+    keep = ";".join(split_at)
+    if keep:
+        options.append(f"split-at={keep}")
+    coarsen_options = ([f"max-layers={max_layers}"] if max_layers else []) + ([f"keep={keep}"] if keep else [])
+    coarsen = "coarsen{" + ",".join(coarsen_options) + "}" if coarsen_options else "coarsen"
     front = [] if profile else ["annotate-cost" if precision == "fp32" else f"annotate-cost{{precision={precision}}}"]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
 
@@ -97,12 +103,15 @@ def compile(
     recompute: str = "auto",
     replication: str = "auto",
     precision: str | None = None,
+    split_at: tuple[str, ...] = (),
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
     `out_dir` may be new, empty or a previous plan; a directory holding other files is refused
     before any work unless `force`. `precision` (fp32, bf16, fp16) is the autocast dtype the plan trains
-    in; None: bf16 where the cluster's devices have a bf16 tensor-core rate, else fp32 (`default_precision`)."""
+    in; None: bf16 where the cluster's devices have a bf16 tensor-core rate, else fp32 (`default_precision`).
+    `split_at` names the modules where a stage begins (torch.distributed.pipelining's split points): those
+    cuts are fixed, and everything else is planned."""
     if planner not in METHODS:
         raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
     if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
@@ -150,6 +159,7 @@ def compile(
         recompute=recompute,
         replication=replication,
         precision=chosen,
+        split_at=split_at,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)

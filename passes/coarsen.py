@@ -5,14 +5,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from dapple_ir.analysis.module_cuts import FLOATING, module_starts
 from dapple_ir.errors import PassError
 from dapple_ir.ir import Layer, LayerAttrs, Module, Op, OpaqueType, OpKind
 from dapple_ir.registry import Pass, PassContext, option, register_pass
 
-# Inputs and parameter reads have no place of their own in the chain: they join their first user,
-# so a loss target read only by the last op never crosses a cut. The output joins the loss.
-_FLOATING = (OpKind.INPUT, OpKind.GET_ATTR, OpKind.OUTPUT)
-# Their values never cross a cut either: every stage that reads an input loads it, and a stage that
+# Inputs and parameter reads never cross a cut: every stage that reads an input loads it, and a stage that
 # reads a parameter holds it (`analysis.stage_graph`). An input whose shape later blocks read (for
 # their sizes) would otherwise count as bytes sent across every cut.
 _LOADED = (OpKind.INPUT, OpKind.GET_ATTR)
@@ -25,6 +23,7 @@ class Coarsen(Pass):
 
     name = "coarsen"
     max_layers: int = option(128, "most layers to keep (the planner's granularity)")
+    keep: tuple[str, ...] = option((), "modules whose beginning stays a layer boundary (plan's split-at)")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         if self.max_layers < 1:
@@ -33,14 +32,18 @@ class Coarsen(Pass):
         if not chain:
             raise PassError(f"coarsen: module @{module.name} has no ops to group")
         crossing = _crossing(module, position, len(chain))
-        bounds = _choose_cuts(module, chain, crossing, self.max_layers)
+        starts = module_starts(module)
+        kept = {position[starts[name]] for name in self.keep if name in starts}
+        bounds = _choose_cuts(module, chain, crossing, self.max_layers, kept)
         module.layers = _build_layers(module, chain, position, bounds, crossing)
         ctx.log(f"coarsen: {len(module.ops)} ops into {len(module.layers)} layers")
 
 
 def _anchor(module: Module) -> tuple[list[Op], dict[Op, int]]:
     """The chain of anchored ops, and each op's position in it (floating ops: their first user's)."""
-    chain = [op for op in module.ops if op.kind not in _FLOATING]
+    # Inputs and parameter reads (`FLOATING`) have no place of their own in the chain: they join their
+    # first user, so a loss target read only by the last op never crosses a cut. The output joins the loss.
+    chain = [op for op in module.ops if op.kind not in FLOATING]
     position = {op: i for i, op in enumerate(chain)}
     users = module.users()
     for op in module.ops:
@@ -82,8 +85,12 @@ def _crossing(module: Module, position: dict[Op, int], n: int) -> list[tuple[flo
     return result
 
 
-def _choose_cuts(module: Module, chain: list[Op], crossing: list[tuple[float, int, int]], max_layers: int) -> list[int]:
-    """Boundaries [0, ..., n]: every legal cut, then merges of the cheapest neighbours until few enough."""
+def _choose_cuts(
+    module: Module, chain: list[Op], crossing: list[tuple[float, int, int]], max_layers: int, kept: set[int]
+) -> list[int]:
+    """Boundaries [0, ..., n]: every legal cut, then merges of the cheapest neighbours until few enough;
+    the `kept` cuts are never merged away (a kept position that is no legal cut is no boundary: `plan`
+    names the nearest ones)."""
     n = len(chain)
     legal = [k for k in range(1, n) if crossing[k][2] == 0]
     cuts = [0, *legal, n]
@@ -104,7 +111,7 @@ def _choose_cuts(module: Module, chain: list[Op], crossing: list[tuple[float, in
         merged = (prefix[nxt[k]] - prefix[prev[k]]) / (target or 1.0)
         return merged - crossing[k][0] / mean_cut - 0.5 * (crossing[k][1] - 1)
 
-    heap = [(score(k), k, prev[k], nxt[k]) for k in legal]
+    heap = [(score(k), k, prev[k], nxt[k]) for k in legal if k not in kept]
     heapq.heapify(heap)
     layers = len(cuts) - 1
     while layers > max_layers and heap:
@@ -115,7 +122,7 @@ def _choose_cuts(module: Module, chain: list[Op], crossing: list[tuple[float, in
         nxt[p], prev[q] = q, p
         layers -= 1
         for j in (p, q):
-            if j in alive and 0 < j < n:
+            if j in alive and 0 < j < n and j not in kept:
                 heapq.heappush(heap, (score(j), j, prev[j], nxt[j]))
     return sorted(alive)
 

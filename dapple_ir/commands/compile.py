@@ -17,6 +17,7 @@ _EPILOG = """examples:
   dapple compile examples/gpt.py:factory --cluster 2x8xV100-16GB --global-batch 64 -o plans/gpt --explain
   dapple compile profile:graph.txt --cluster 16x1xV100-16GB --global-batch 1024 -o plans/vgg --profile-batch 64
   dapple compile examples/mlp.py:factory --cluster 4xcpu --global-batch 32 --stages 2 --microbatches 8 -o plans/mlp
+  dapple compile examples/gpt.py:factory --cluster 4xcpu --global-batch 16 --split-at blocks.1 -o plans/gpt-pinned
   dapple compile hf:llama-70b/config.json --seq 2048 --example-batch 4 --cluster 4x8xH100 --global-batch 64 -o plans/70b
 """
 
@@ -74,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="replicated stages: split each microbatch over the replicas (DAPPLE), take whole ones "
         "round-robin, or auto (the planner weighs both)",
     )
+    p.add_argument(
+        "--split-at",
+        metavar="FQN[,FQN...]",
+        help="fix the cuts: a new stage begins at each named module (as torch.distributed.pipelining's "
+        "SplitPoint.BEGINNING, e.g. layers.4,layers.8); replication, placement, microbatches and schedule are planned",
+    )
     p.add_argument("--pipeline", metavar="SPEC", help="replace the whole pass pipeline")
     p.add_argument("--max-layers", type=int, metavar="N", help="coarsen to at most N layers")
     p.add_argument("--explain", action="store_true", help="print every candidate considered and why it lost")
@@ -122,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         replication=args.replication,
         precision=args.precision,
+        split_at=tuple(name.strip() for name in (args.split_at or "").split(",") if name.strip()),
         log=lambda m: print(m, file=sys.stderr),
         manager=manager,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dapple_ir.errors import PlanError
@@ -19,6 +20,7 @@ from dapple_ir.planner.gather import (
     schedule_variants,
 )
 from dapple_ir.planner.local_search import cluster_is_small, local_search
+from dapple_ir.planner.pinned import keeps_cuts, pinned_candidates
 from dapple_ir.planner.recompute import recompute_variants
 from dapple_ir.planner.request import RECOMPUTE_SCHEDULES, Request, validate, virtual_choices
 from dapple_ir.planner.scoring import Score, Scored, score_best, unique
@@ -48,8 +50,24 @@ def rank(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
     by it; without, the cost model alone ranks them. A schedule the cost model has no formula for (one
     a plugin registers) is estimated like 1f1b, and only the score tells it apart.
     """
+    if req.cuts:
+        req = dataclasses.replace(req, stages=req.stages or len(req.cuts) + 1)
     validate(problem, req)
-    schedule, pool = candidates(problem, req)
+    # With pinned cuts, the searches' plans there and the walk over replica counts there are ranked
+    # apart (so that pinning a plan's own cuts finds that plan again), and the faster is chosen.
+    proposers: list[Proposer] = [gather, pinned_candidates] if req.cuts else [gather]
+    outcomes, failure = [], None
+    for propose in proposers:
+        try:
+            outcomes.append(_rank_pool(problem, req, score, *candidates(problem, req, propose)))
+        except NoPlanFits as exc:
+            failure = exc
+    if not outcomes and failure is not None:
+        raise failure
+    return min(outcomes, key=lambda outcome: outcome.chosen.time_s)
+
+
+def _rank_pool(problem: Problem, req: Request, score: Score | None, schedule: str, pool: list[Scored]) -> Outcome:
     fitting = sorted((s for s in pool if s.estimate.fits), key=lambda s: s.estimate.iteration_s)
     if not fitting:
         raise NoPlanFits(no_fit_text(problem, pool))
@@ -79,7 +97,8 @@ def rank(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
     if score is not None and over and not timed and not untimed:
         # Every simulated candidate overflows once lowered (the cost model counts less than a rank
         # program holds): simulate more until one fits, so that `verify` accepts the plan chosen.
-        timed, more_over = _first_accepted(problem, leanest_candidates(problem, req, schedule), tail, score, cap)
+        lean = [s for s in leanest_candidates(problem, req, schedule) if keeps_cuts(s.cand, req)]
+        timed, more_over = _first_accepted(problem, lean, tail, score, cap)
         tail = [s for s in tail if s not in timed and s not in more_over]
         over += more_over
     ranked = timed + untimed + tail
@@ -91,10 +110,15 @@ def rank(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
     return Outcome(chosen, ranked + rejected, explain_lines(problem, chosen, ranked, rejected))
 
 
-def candidates(problem: Problem, req: Request) -> tuple[str, list[Scored]]:
-    """(the schedule the candidates were gathered under, every candidate once) for `req`: the searches'
-    and the baselines', as replication and recomputation allow; with virtual stages, the device
-    groups as the 1f1b search finds them, each cut into V stages per group."""
+Proposer = Callable[[Problem, Request, str], list[Scored]]
+"""Proposes candidates for a request under a schedule: `gather.gather` (the searches and the baselines)
+or `pinned.pinned_candidates` (replica counts at pinned cuts)."""
+
+
+def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tuple[str, list[Scored]]:
+    """(the schedule the candidates were gathered under, every candidate once) for `req`: those `propose`
+    gives, as replication and recomputation allow, at the request's cuts when it pins them; with virtual
+    stages, the device groups as the 1f1b search finds them, each cut into V stages per group."""
     schedule = req.schedule or "1f1b"
     virtuals = virtual_choices(problem, req)
     if virtuals:
@@ -107,10 +131,12 @@ def candidates(problem: Problem, req: Request) -> tuple[str, list[Scored]]:
                 bases[groups] = gather(problem, base_req, "1f1b") + even_groups(problem, base_req)
             pool += interleaved_variants(problem, bases[groups], v)
         return "1f1b", unique(pool)
-    pool = replication_variants(problem, req, gather(problem, req, schedule))
+    found = [s for s in propose(problem, req, schedule) if keeps_cuts(s.cand, req)]
+    pool = replication_variants(problem, req, found)
     if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = recompute_variants(problem, req, schedule, pool)
-    return schedule, unique(pool)
+    # Recomputation's own searches propose cuts of their own: with pinned cuts, only those stay.
+    return schedule, unique([s for s in pool if keeps_cuts(s.cand, req)])
 
 
 def _first_accepted(

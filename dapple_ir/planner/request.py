@@ -43,6 +43,9 @@ class Request:
     replication: str = "auto"
     """One of `REPLICATION`: replicated stages split each microbatch (DAPPLE), take whole ones round
     robin, or (`auto`) the planner weighs both per candidate."""
+    cuts: tuple[int, ...] = ()
+    """Layer boundaries where a stage must begin (`--split-at`, `analysis.module_cuts.split_layers`): the
+    stages are these and only these; the planner chooses replication, placement, microbatches and schedule."""
 
 
 def validate(problem: Problem, req: Request) -> None:
@@ -86,6 +89,7 @@ def validate(problem: Problem, req: Request) -> None:
             "interleaving needs at least two (it shrinks the bubble between groups, and one group has none): "
             f"ask for {2 * req.virtual} stages or more (stages counts every virtual stage)"
         )
+    _validate_cuts(problem, req)
     for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
         if count is not None and count < 1:
             raise PlanError(f"{what} must be auto or a positive integer, not {count}")
@@ -124,3 +128,24 @@ def virtual_choices(problem: Problem, req: Request) -> list[int]:
     if req.schedule != "interleaved":
         return []
     return [v for v in range(2, MAX_VIRTUAL + 1) if (req.stages or v) % v == 0 and v <= problem.layers]
+
+
+def _validate_cuts(problem: Problem, req: Request) -> None:
+    if not req.cuts:
+        return
+    if list(req.cuts) != sorted(set(req.cuts)) or not 0 < req.cuts[0] <= req.cuts[-1] < problem.layers:
+        raise PlanError(
+            f"cuts {list(req.cuts)} must be increasing layer boundaries between 1 and {problem.layers - 1} "
+            f"(the model has {problem.layers} layers after coarsen)"
+        )
+    pinned = len(req.cuts) + 1
+    if req.stages is not None and req.stages != pinned:
+        raise PlanError(
+            f"split-at makes {pinned} stages ({len(req.cuts)} cuts) but stages={req.stages} was asked for; "
+            "give one or the other"
+        )
+    if (req.virtual or 1) > 1 or req.schedule == "interleaved":
+        raise PlanError(
+            "split-at fixes one stage per device group; virtual stages (the interleaved schedule) with pinned "
+            "cuts are not planned: ask for another schedule, or leave split-at out"
+        )
