@@ -52,10 +52,11 @@ def make_plan(
     lr: float = 0.05,
     recompute: tuple[int, ...] = (),
     split: bool = False,
+    zero: tuple[int, ...] = (),
 ) -> Path:
     """A plan directory for `spec`: ops split into stages*virtual contiguous chunks, lowered by the passes
-    (the stages numbered in `recompute` recompute their forward; with `split`, replicated stages split
-    each microbatch over their replicas)."""
+    (the stages numbered in `recompute` recompute their forward, those in `zero` shard their optimizer
+    state; with `split`, replicated stages split each microbatch over their replicas)."""
     loaded = load_model_spec(spec, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)
     module = capture_loaded(loaded).module
@@ -75,6 +76,7 @@ def make_plan(
                 devices=devices[k % stages],
                 split=split or None,
                 recompute=(k in recompute) or None,
+                zero=1 if k in zero else None,
             ),
         )
         for k in range(n)

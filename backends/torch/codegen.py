@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dapple_ir.analysis.peak_memory import recv_posts, transfer_bytes
 from dapple_ir.errors import DappleError
-from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, RankProgram
+from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, RankProgram
 from dapple_ir.ir.printer import Namer, format_type, print_module
 from dapple_ir.plan_dir import PLAN_IR, ir_digest, rank_file
 from dapple_ir.units import format_bytes
@@ -49,7 +49,7 @@ _PHASES = (
     "cool-down: remaining backwards",
     "gradients and optimizer step",
 )
-_STEP_KINDS = (InstrKind.ALLREDUCE, InstrKind.OPTIMIZER_STEP)
+_STEP_KINDS = (InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.OPTIMIZER_STEP)
 
 
 def rank_source(module: Module, program: RankProgram, rank: int, namer: Namer, digest: str) -> str:
@@ -202,8 +202,8 @@ def _call(instr: Instr, namer: Namer, method: str = "") -> str:
         return f"rt.free({value}, mb={instr.mb}{grad})"
     if kind is InstrKind.ALLREDUCE and instr.param is not None:
         return f"rt.allreduce_param({json.dumps(instr.param)}, group={tuple(instr.group or ())!r})"
-    if kind is InstrKind.ALLREDUCE:
-        return f"rt.allreduce({stage}, group={tuple(instr.group or ())!r})"
+    if kind in COLLECTIVE_KINDS:
+        return f"rt.{kind.value}({stage}, group={tuple(instr.group or ())!r})"
     if kind is InstrKind.OPTIMIZER_STEP:
         return "rt.optimizer_step()"
     raise DappleError(f"the torch backend cannot run instruction '{kind.value}'")

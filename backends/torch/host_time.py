@@ -30,7 +30,7 @@ COMPUTE = frozenset({"forward", "backward", "backward_input", "backward_weight"}
 #: waiting for the peer, not host work.
 MESSAGES = frozenset({"send", "recv"})
 #: Spans in which the rank may wait for another rank (a receive, an allreduce).
-WAITS = frozenset({"recv", "allreduce"})
+WAITS = frozenset({"recv", "allreduce", "reduce_scatter", "all_gather"})
 
 
 def timing_model() -> tuple[Any, ...]:

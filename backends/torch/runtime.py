@@ -9,7 +9,8 @@ to another rank, or through the gradient store to a stage on this rank.
 
 Random draws (dropout) are seeded per op and microbatch (`random_draws`), so they do not depend on
 the split. A replicated stage's buffers (batch-norm running statistics) are averaged over its
-replicas by its `allreduce`. With `record_grads` it keeps the gradients of step 0 for `--check`.
+replicas by its `allreduce` (or `reduce_scatter`). A stage with sharded optimizer state (`zero`) steps only
+this rank's shard of it (`sharded_optimizer`). With `record_grads` it keeps the gradients of step 0 for `--check`.
 
 Communication runs ahead of its use: `post_recv` (called by the rank file where `peak_memory.recv_posts`
 marks it) posts a receive that the later `recv` only waits for; a run of sends goes to the transport
@@ -42,6 +43,7 @@ from dapple_ir.backends.torch.data import microbatch
 from dapple_ir.backends.torch.mixed_precision import autocast, loss_scaler, step_with_scaler
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.run_queue import RunQueueClock
+from dapple_ir.backends.torch.sharded_optimizer import Shard, shard_stage, zero_grads
 from dapple_ir.backends.torch.split_backward import WeightPass, input_pass, weight_passes
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.transport import Pending, PendingRecv, Transport, TransportError
@@ -112,6 +114,8 @@ METERED_STEPS = 2
 #: Instructions that only let go of memory (a send's payload stays with the transport until it completes):
 #: the meter skips them, so the peak is unchanged and the curve steps down at the next instruction.
 _RELEASING = frozenset({"send", "free"})
+#: The instructions drawn on the communication track.
+COMM_KINDS = frozenset({"send", "recv", "allreduce", "reduce_scatter", "all_gather"})
 
 
 def _params_on(stages: dict[str, StageModule], device: torch.device) -> list[torch.nn.Parameter]:
@@ -147,6 +151,7 @@ class Runtime:
         rows: tuple[int, int] | None = None,
         meter_steps: int | None = METERED_STEPS,
         precision: str = "fp32",
+        zero: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -181,10 +186,17 @@ class Runtime:
         """With `record_grads`: the gradients the optimizer saw at step 0 (where a pipeline and one device start
         from the same parameters), keyed `stage/name`, by step."""
         self.params = _params_on(stages, device)
+        self.shards = {
+            name: shard_stage(name, self._untied(name), group, rank) for name, group in sorted((zero or {}).items())
+        }
+        """The stages whose optimizer state this rank shards with their other replicas (ZeRO-1, `sharded_optimizer`)."""
+        in_shards = {id(p) for shard in self.shards.values() for p in shard.params}
+        self.stepped = [p for p in self.params if id(p) not in in_shards] + [s.master for s in self.shards.values()]
+        """What the optimizer steps: the unsharded parameters and this rank's shard of each sharded stage."""
         # Parameters keep their storage for the whole run (the optimizer and checkpoint loading write in place).
         self._param_storages = {s.data_ptr(): s.nbytes() for s in (p.untyped_storage() for p in self.params)}
         # A stage of parameter-free ops (an activation, the loss) has nothing to step.
-        self.optimizer = make_optimizer(optimizer, self.params, lr) if self.params else None
+        self.optimizer = make_optimizer(optimizer, self.stepped, lr) if self.stepped else None
         self.step = 0
         self.values: dict[tuple[str, int], Any] = {}
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
@@ -472,6 +484,17 @@ class Runtime:
             self._reduce(params, tuple(group))
             self._average_buffers(stage, tuple(group))
 
+    def reduce_scatter(self, stage: str, group: tuple[int, ...]) -> None:
+        with self._instr("reduce_scatter", stage, None, None):
+            shard = self._shard(stage, group)
+            self.transport.reduce_scatter(shard.flat_grad, shard.group, self.timeout)
+            self._average_buffers(stage, shard.group)
+
+    def all_gather(self, stage: str, group: tuple[int, ...]) -> None:
+        with self._instr("all_gather", stage, None, None):
+            shard = self._shard(stage, group)
+            self.transport.all_gather(shard.flat, shard.group, self.timeout)
+
     def allreduce_param(self, param: str, group: tuple[int, ...]) -> None:
         with self._instr("allreduce", param, None, None):
             held = {id(sm.params[param]): sm.params[param] for sm in self.stages.values() if param in sm.params}
@@ -481,7 +504,7 @@ class Runtime:
 
     def optimizer_step(self) -> None:
         with self._instr("optimizer_step", None, None, None):
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = [p.grad for p in self.stepped if p.grad is not None]
             everyone = tuple(range(self.transport.world))
             skipped = step_with_scaler(
                 self.scaler,
@@ -496,10 +519,15 @@ class Runtime:
                 # Zeroed, not freed: gradient buffers live for the whole run, as the IR's static bytes say, so
                 # the next step's first backward accumulates in place instead of allocating mid-pipeline.
                 self.optimizer.zero_grad(set_to_none=False)
+            for shard in self.shards.values():
+                zero_grads(shard)
 
     def _step_optimizer(self) -> None:
         """The optimizer's step on gradients as the optimizer sees them (unscaled under fp16)."""
         if self.record_grads and self.step == 0:
+            # --check compares whole gradients: a sharded stage's are gathered for it (this step only).
+            for shard in self.shards.values():
+                self.transport.all_gather(shard.flat_grad, shard.group, self.timeout)
             self.recorded_grads[self.step] = {
                 f"{stage}/{name}": (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
                 for stage, sm in self.stages.items()
@@ -533,7 +561,7 @@ class Runtime:
         queued_end = self._run_queue.read()
         # Clamped to the span: the thread may be descheduled between a clock read and the counter's.
         queued = min(end - start, queued_end - queued_at) if queued_at is not None and queued_end is not None else None
-        track = COMM_TRACK if kind in ("send", "recv", "allreduce") else COMPUTE_TRACK
+        track = COMM_TRACK if kind in COMM_KINDS else COMPUTE_TRACK
         # Absolute wall-clock seconds; the launcher rebases them to the step's start.
         self.spans.append(Span(self.rank, track, kind, start, end, stage, mb, peer, index, queued_s=queued))
         if self.device.type == "cuda":
@@ -574,6 +602,19 @@ class Runtime:
                 for held in wp.grads:
                     add(held)
         return sum(seen.values())
+
+    def _untied(self, stage: str) -> list[torch.nn.Parameter]:
+        """The parameters of `stage` its own collectives reduce (tied ones have their `allreduce param`)."""
+        unique = {id(p): p for name, p in self._stage(stage).params.items() if name not in self.tied}
+        return list(unique.values())
+
+    def _shard(self, stage: str, group: tuple[int, ...]) -> Shard:
+        shard = self.shards.get(stage)
+        if shard is None:
+            raise DappleError(f"stage @{stage} does not shard its optimizer state on rank {self.rank} (no zero = 1)")
+        if tuple(group) != shard.group:
+            raise DappleError(f"stage @{stage}'s shards are over ranks {list(shard.group)}, not {list(group)}")
+        return shard
 
     def _stage(self, stage: str) -> StageModule:
         if stage not in self.stages:

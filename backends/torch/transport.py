@@ -2,7 +2,9 @@
 
 Both transports offer the same operations: `isend` (non-blocking), `irecv` (posts a receive now and
 returns a handle whose `wait` gives the payload), `recv` (blocking, bounded by a timeout), `exchange`
-(sends and posted receives issued together), `allreduce` (sum over a group of ranks, in place) and
+(sends and posted receives issued together), `allreduce` (sum over a group of ranks, in place),
+`reduce_scatter` and `all_gather` (a sharded stage's, ZeRO-1: NCCL's own; gloo has no reduce-scatter, so
+there it is an allreduce of which each member keeps its chunk, and the gather is gloo's `all_gather`) and
 `close`. A payload is a tensor or a small non-tensor value (an int from `size()`, a tuple of ints, a
 float, a bool, None); non-tensors travel as JSON text, never pickled. Every wait has a timeout (on
 CUDA, where waits order the stream instead of blocking the host, the process group's); a wait that
@@ -88,6 +90,15 @@ class Transport(Protocol):
     ) -> tuple[list[Pending], list[PendingRecv]]: ...
 
     def allreduce(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None: ...
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        """Sum `tensor` (n equal chunks, n = len(group)) over `group`: member k's chunk k holds the sum after,
+        its other chunks are left unspecified."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        """In place: chunk k of `tensor` (n equal chunks) becomes member k's chunk k."""
+        ...
 
     def close(self) -> None: ...
 
@@ -202,21 +213,35 @@ class ThreadTransport:
             return box.popleft()
 
     def allreduce(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        self._collective(tensor, group, timeout, "allreduce", _sum_in_order)
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        # Every member gets the whole sum (the same bits as `allreduce`) and keeps its chunk.
+        self._collective(tensor, group, timeout, "reduce_scatter", _sum_in_order)
+
+    def all_gather(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        self._collective(tensor, group, timeout, "all_gather", _gather_chunks)
+
+    def _collective(
+        self,
+        tensor: torch.Tensor,
+        group: tuple[int, ...],
+        timeout: float,
+        name: str,
+        combine: Callable[[tuple[int, ...], dict[int, torch.Tensor]], torch.Tensor],
+    ) -> None:
+        """Every member's `tensor` becomes `combine(group, each member's tensor)`; collectives over one group
+        meet in program order (the rank programs call them in the same order on every member)."""
         if len(group) < 2:
             return
         call = self.calls.get(group, 0)
         self.calls[group] = call + 1
         key = (group, call)
-        what = f"on rank {self.rank} in allreduce over ranks {list(group)}"
+        what = f"on rank {self.rank} in {name} over ranks {list(group)}"
         with self.hub.cond:
             self.hub.slots.setdefault(key, {})[self.rank] = tensor.detach().clone()
             if len(self.hub.slots[key]) == len(group):
-                parts = self.hub.slots.pop(key)
-                # Summing in group order makes every participant get the very same bits.
-                total = parts[group[0]].clone()
-                for r in group[1:]:
-                    total += parts[r]
-                self.hub.results[key] = (total, set())
+                self.hub.results[key] = (combine(group, self.hub.slots.pop(key)), set())
                 self.hub.cond.notify_all()
             self.hub.wait_for(lambda: key in self.hub.results, timeout, what)
             total, readers = self.hub.results[key]
@@ -224,6 +249,20 @@ class ThreadTransport:
             readers.add(self.rank)
             if len(readers) == len(group):
                 del self.hub.results[key]
+
+
+def _sum_in_order(group: tuple[int, ...], parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The members' tensors summed in group order: every participant gets the very same bits."""
+    total = parts[group[0]].clone()
+    for r in group[1:]:
+        total += parts[r]
+    return total
+
+
+def _gather_chunks(group: tuple[int, ...], parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Chunk k of member k's tensor, for every k."""
+    n = len(group)
+    return torch.cat([parts[r].chunk(n)[k] for k, r in enumerate(group)])
 
     def close(self) -> None:
         return None
@@ -492,6 +531,37 @@ class DistTransport:
             return
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
         _wait(work, timeout, f"on rank {self.rank} in allreduce over ranks {list(group)}", self.on_stream)
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        if len(group) < 2:
+            return
+        what = f"on rank {self.rank} in reduce_scatter over ranks {list(group)}"
+        if self._native_shards(group):
+            mine = tensor.chunk(len(group))[group.index(self.rank)]
+            work = dist.reduce_scatter_tensor(
+                mine, tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True
+            )
+        else:
+            # gloo has no reduce-scatter: an allreduce, of which each member keeps its chunk (the same bits and
+            # traffic as the allreduce a stage without sharded state runs).
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
+        _wait(work, timeout, what, self.on_stream)
+
+    def all_gather(self, tensor: torch.Tensor, group: tuple[int, ...], timeout: float) -> None:
+        if len(group) < 2:
+            return
+        what = f"on rank {self.rank} in all_gather over ranks {list(group)}"
+        chunks = list(tensor.chunk(len(group)))
+        mine = chunks[group.index(self.rank)]
+        if self._native_shards(group):
+            work = dist.all_gather_into_tensor(tensor, mine, group=self.groups[group], async_op=True)
+        else:
+            work = dist.all_gather(chunks, mine.clone(), group=self.groups[group], async_op=True)
+        _wait(work, timeout, what, self.on_stream)
+
+    def _native_shards(self, group: tuple[int, ...]) -> bool:
+        """Whether the group's backend has reduce_scatter_tensor and all_gather_into_tensor (NCCL)."""
+        return str(dist.get_backend(self.groups[group])) == "nccl"
 
     def finish(self, timeout: float) -> None:
         """Wait (bounded) until every rank is done, so nobody tears down while a peer still receives."""

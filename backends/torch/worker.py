@@ -251,6 +251,11 @@ def build_runtime(
         rows=rows,
         meter_steps=None if options.meter_every_step else METERED_STEPS,
         precision=precision_of(plan.module),
+        zero={
+            i.stage.name: i.group
+            for i in plan.module.programs[rank].instrs
+            if i.kind is InstrKind.REDUCE_SCATTER and i.stage is not None and i.group is not None
+        },
     )
 
 

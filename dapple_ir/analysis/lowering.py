@@ -11,8 +11,9 @@ block). Gradients travel back only for values that depend on trainable parameter
 backward, `allreduce @stage` sums each replicated stage's gradients over its replicas (latest stage first;
 for one stage per rank that is right after its last backward, as in DAPPLE); a parameter read by several
 stages is left out of those and summed by one `allreduce param @p` over every rank holding it; then the
-single `optimizer_step`. Collectives only after the last compute: an allreduce never waits on a rank that
-waits on a recv.
+single `optimizer_step`. A stage that shards its optimizer state (`zero = 1`, ZeRO-1) has `reduce_scatter @s`
+in its allreduce's place, and `all_gather @s` (same group, same order) after the step. Collectives only after
+the last compute: an allreduce never waits on a rank that waits on a recv.
 
 A round-robin replica holds the microbatches m with m % R == its index, whole. Every replica of a split
 stage (`split = true`) holds its rows of every microbatch (`Stage.rows`), so a boundary where either side
@@ -159,6 +160,7 @@ class _Lowering:
         out += self.stage_allreduces(program)
         out += self.tied_allreduces(rank)
         out.append(Instr(InstrKind.OPTIMIZER_STEP))
+        out += [Instr(InstrKind.ALL_GATHER, stage=i.stage, group=i.group) for i in out if i.kind is _SHARD_REDUCE]
         return out
 
     def positions(self, compute: list[Instr]) -> tuple[dict, dict]:  # type: ignore[type-arg]
@@ -220,7 +222,8 @@ class _Lowering:
         for name in sorted(program.attrs.stages or (), key=order.__getitem__, reverse=True):
             stage = self.module.stage(name)
             if stage.replicas > 1:
-                out.append(Instr(InstrKind.ALLREDUCE, stage=stage, group=self.group(stage)))
+                kind = _SHARD_REDUCE if stage.sharded else InstrKind.ALLREDUCE
+                out.append(Instr(kind, stage=stage, group=self.group(stage)))
         return out
 
     def group(self, stage: Stage) -> tuple[int, ...]:
@@ -237,6 +240,11 @@ class _Lowering:
             if rank in group and len(group) > 1:
                 out.append(Instr(InstrKind.ALLREDUCE, param=name, group=tuple(sorted(group))))
         return out
+
+
+#: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
+#: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
+_SHARD_REDUCE = InstrKind.REDUCE_SCATTER
 
 
 def _add(out: list[Instr], instr: Instr) -> None:

@@ -25,7 +25,18 @@ from typing import Any
 from dapple_ir.analysis import memory
 from dapple_ir.analysis.lowering import early_post_points
 from dapple_ir.analysis.stage_graph import crossings, values_needing_grad
-from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage, TensorType
+from dapple_ir.ir import (
+    COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
+    Instr,
+    InstrKind,
+    Module,
+    Op,
+    OpKind,
+    RankProgram,
+    Stage,
+    TensorType,
+)
 from dapple_ir.schedules import StageMemory
 
 
@@ -136,7 +147,7 @@ def hosted_stages(module: Module, program: RankProgram) -> list[Stage]:
         return [module.stage(name) for name in program.attrs.stages]
     seen: list[Stage] = []
     for instr in program.instrs:
-        if instr.stage is not None and instr.stage not in seen and instr.kind is not InstrKind.ALLREDUCE:
+        if instr.stage is not None and instr.stage not in seen and instr.kind not in COLLECTIVE_KINDS:
             seen.append(instr.stage)
     return seen
 

@@ -15,7 +15,7 @@ from dapple_ir.analysis.peak_memory import Sizes, program_peak
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.ir.printer import Namer, format_instr
 
 
@@ -25,7 +25,7 @@ def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) ->
         return
     check_compute_order(module)
     instrs = [i for p in module.programs for i in p.instrs]
-    if any(i.kind in (InstrKind.SEND, InstrKind.RECV, InstrKind.ALLREDUCE) for i in instrs):
+    if any(i.kind in (InstrKind.SEND, InstrKind.RECV) or i.kind in COLLECTIVE_KINDS for i in instrs):
         problem = find_deadlock(module.programs, module)
         if problem:
             raise VerifyError(f"verify: the programs deadlock: {problem}")
@@ -38,7 +38,7 @@ def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) ->
 
 
 #: Instructions only lowering adds: once one is there, every rank's program must be complete.
-_LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.ALLREDUCE, InstrKind.FREE, InstrKind.OPTIMIZER_STEP})
+_LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.FREE, InstrKind.OPTIMIZER_STEP}) | COLLECTIVE_KINDS
 
 
 def check_optimizer_steps(module: Module) -> None:
@@ -137,7 +137,7 @@ def _message_key(instr: Instr, rank: int) -> tuple[object, ...]:
 
 
 def _collective_key(instr: Instr, occurrence: int) -> tuple[object, ...]:
-    return (instr.stage, instr.param, instr.group, occurrence)
+    return (instr.kind, instr.stage, instr.param, instr.group, occurrence)
 
 
 def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> str | None:
@@ -165,8 +165,8 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
                     waiting[key] = rank
                     break
                 posted[key] -= 1
-            elif instr.kind is InstrKind.ALLREDUCE:
-                base = (instr.stage, instr.param, instr.group)
+            elif instr.kind in COLLECTIVE_KINDS:
+                base = (instr.kind, instr.stage, instr.param, instr.group)
                 key = _collective_key(instr, seen_collectives[rank][base])
                 members = arrived.setdefault(key, set())
                 if rank not in members:
@@ -201,7 +201,7 @@ def _waits_for(
     if instr.kind is InstrKind.RECV:
         assert instr.peer is not None
         return instr.peer
-    base = (instr.stage, instr.param, instr.group)
+    base = (instr.kind, instr.stage, instr.param, instr.group)
     members = arrived.get(_collective_key(instr, seen[rank][base]), set())
     return min(set(instr.group or ()) - members, default=rank)
 

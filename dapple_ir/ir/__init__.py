@@ -6,6 +6,7 @@ Imports nothing from the rest of dapple_ir except `errors` and `units`.
 """
 
 from dapple_ir.ir.core import (
+    COLLECTIVE_KINDS,
     COMPUTE_KINDS,
     DTYPE_BYTES,
     FLOAT_DTYPES,
@@ -34,6 +35,7 @@ from dapple_ir.ir.core import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "COMPUTE_KINDS",
     "DTYPE_BYTES",
     "FLOAT_DTYPES",

@@ -203,6 +203,10 @@ class StageAttrs(AttrRecord):
     recompute: bool | None = None
     """Activation recomputation: the forward keeps only the stage's inputs (the values it receives)
     per microbatch and is rerun, with grad, right before that microbatch's backward."""
+    zero: int | None = None
+    """Sharded optimizer state (ZeRO stage; only 1, Megatron's distributed optimizer): each of the stage's R
+    replicas keeps the optimizer state of one contiguous 1/R of the stage's parameters (flattened, tied ones
+    left whole), its gradients reduce-scattered, its shard stepped, the parameters all-gathered after the step."""
 
 
 @dataclass(slots=True)
@@ -320,6 +324,11 @@ class Stage:
         return bool(self.attrs.recompute)
 
     @property
+    def sharded(self) -> bool:
+        """Do the replicas shard the optimizer state (`StageAttrs.zero`)? Only with two replicas or more."""
+        return bool(self.attrs.zero) and self.replicas > 1
+
+    @property
     def split(self) -> bool:
         """Do the replicas split each microbatch (`StageAttrs.split`), rather than take whole ones in turn?"""
         return bool(self.attrs.split) and self.replicas > 1
@@ -359,13 +368,25 @@ class InstrKind(enum.Enum):
     """Sum the gradients of `stage` (or of the tied parameter `param`) over ranks `group`. A stage's
     allreduce leaves out parameters that another stage also reads (tied): each of those is summed once,
     by its own `allreduce param @p` over every rank holding it."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """A sharded stage's (`StageAttrs.zero`) `allreduce`: sum the gradients of `stage` over ranks `group`, each
+    member keeping only its shard of the sum (member k of n: the k-th of n equal pieces of the flattened
+    gradients, tied parameters left out as for `allreduce`)."""
+    ALL_GATHER = "all_gather"
+    """After the optimizer step: every member of `group` sends its stepped shard of `stage`'s parameters to the
+    others, so each replica holds the whole stepped parameters again."""
     OPTIMIZER_STEP = "optimizer_step"
-    """Apply the optimizer to this rank's parameters and clear their gradients."""
+    """Apply the optimizer to this rank's parameters (a sharded stage: its shard) and clear their gradients."""
 
 
 #: The instructions that run a stage's computation (every other kind moves, frees or reduces data).
 COMPUTE_KINDS: frozenset[InstrKind] = frozenset(
     {InstrKind.FORWARD, InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT}
+)
+
+#: The collectives over a stage's replica group (or a tied parameter's holders).
+COLLECTIVE_KINDS: frozenset[InstrKind] = frozenset(
+    {InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER}
 )
 
 #: The instructions that compute input gradients (and so send gradients to the previous stage).
@@ -392,7 +413,7 @@ class Instr:
     """Rows [lo, hi) of the microbatch (dimension 0 of `value`, in microbatch coordinates) that a send or
     recv moves, where a split stage (`StageAttrs.split`) takes or gives part of it; None: all the sender has."""
     group: tuple[int, ...] | None = None
-    """Ranks taking part in an allreduce."""
+    """Ranks taking part in a collective (`COLLECTIVE_KINDS`)."""
     param: str | None = None
     """Tied parameter whose gradient an allreduce sums across stages."""
 

@@ -34,6 +34,8 @@ def attr_problems(record: AttrRecord) -> Iterator[str]:
         if name == "precision" and value not in HALF_PRECISIONS:
             known = ", ".join(map(repr, HALF_PRECISIONS))
             yield f"attribute precision = {value!r} must be one of {known} (fp32 is its absence)"
+        if name == "zero" and value != 1:
+            yield f"attribute zero = {value!r} must be 1 (ZeRO-1: sharded optimizer state; unsharded is its absence)"
         numbers = value if isinstance(value, tuple) else (value,)
         for number in numbers:
             if isinstance(number, bool) or not isinstance(number, int | float):

@@ -13,7 +13,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Layer, Module, Op, OpKind, RankProgram, Stage, TupleType
+from dapple_ir.ir import (
+    COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
+    Instr,
+    InstrKind,
+    Layer,
+    Module,
+    Op,
+    OpKind,
+    RankProgram,
+    Stage,
+    TupleType,
+)
 from dapple_ir.ir.printer import Namer, format_type, print_module
 from dapple_ir.ir.ranges import attr_problems, batch_problem, stage_cycle, type_problem
 
@@ -229,6 +241,24 @@ class _Verifier:
             return "free needs a microbatch and exactly one of a stage or a value"
         if kind is InstrKind.ALLREDUCE:
             return self.allreduce_problem(instr, rank, n_ranks)
+        if kind in COLLECTIVE_KINDS:
+            return self.shard_problem(instr, rank, n_ranks)
+        return None
+
+    def shard_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
+        """A reduce_scatter or all_gather: a sharded stage's collective over exactly its replicas' ranks."""
+        name = instr.kind.value
+        if instr.group is None or instr.stage is None or instr.param is not None:
+            return f"{name} needs a stage and a group (no param: a tied parameter is allreduced whole)"
+        if not instr.stage.sharded:
+            return f"{name} of stage @{instr.stage.name}, which does not shard its optimizer state (no zero = 1)"
+        if rank not in instr.group or len(instr.group) != instr.stage.replicas:
+            return (
+                f"{name} group {list(instr.group)} must be this rank ({rank}) and the other replicas of "
+                f"@{instr.stage.name} ({instr.stage.replicas} ranks)"
+            )
+        if any(not 0 <= r < n_ranks for r in instr.group):
+            return f"{name} group {list(instr.group)} names a rank outside 0..{n_ranks - 1}"
         return None
 
     def allreduce_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
