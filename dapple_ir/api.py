@@ -48,6 +48,7 @@ def default_pipeline(
     virtual: int | None = None,
     recompute: str = "auto",
     replication: str = "auto",
+    zero: str = "none",
     precision: str = "fp32",
     split_at: tuple[str, ...] = (),
 ) -> str:
@@ -66,6 +67,8 @@ def default_pipeline(
         options.append(f"recompute={recompute}")
     if replication != "auto":
         options.append(f"replication={replication}")
+    if zero != "none":
+        options.append(f"zero={zero}")
     keep = ";".join(split_at)
     if keep:
         options.append(f"split-at={keep}")
@@ -102,6 +105,7 @@ def compile(
     virtual: int | None = None,
     recompute: str = "auto",
     replication: str = "auto",
+    zero: str = "none",
     precision: str | None = None,
     split_at: tuple[str, ...] = (),
 ) -> CompileResult:
@@ -158,6 +162,7 @@ def compile(
         virtual=virtual,
         recompute=recompute,
         replication=replication,
+        zero=zero,
         precision=chosen,
         split_at=split_at,
     )

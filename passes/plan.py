@@ -43,6 +43,9 @@ class Plan(Pass):
     virtual: int | None = option(None, "virtual stages per device group (interleaved), or auto")
     recompute: str = option("auto", "activation recomputation: auto (per stage, where needed), none or all")
     replication: str = option("auto", "replicated stages: split each microbatch, round-robin, or auto (both weighed)")
+    zero: str = option(
+        "none", "ZeRO-1 (sharded optimizer state) of replicated stages: none, auto (where it helps), all"
+    )
     global_batch: int = option(0, "samples per step; 0 takes the module's global_batch")
     simulate: bool = option(True, "rank the best candidates with the simulator")
     ilp_time_limit: float = option(10.0, "seconds the CP-SAT solver may take in all")
@@ -86,6 +89,7 @@ class Plan(Pass):
             virtual=self.virtual,
             recompute=self.recompute,
             replication=self.replication,
+            zero=self.zero,
             cuts=cuts,
         )
 

@@ -76,3 +76,17 @@ def test_a_sharded_rank_holds_half_the_optimizer_state(tmp_path: Path) -> None:
     whole = run(_plan(tmp_path / "plain", MLP, False), steps=2, **opts)  # type: ignore[arg-type]
     assert sharded.peak_bytes[2] < whole.peak_bytes[2]
     assert sharded.peak_bytes[0] == whole.peak_bytes[0]
+
+
+def test_the_memory_model_counts_the_shard_and_the_meter_agrees(tmp_path: Path) -> None:
+    from dapple_ir.plan_dir import load_plan
+
+    opts = {"transport": "threads", **OPTIONS}
+    predicted, measured = {}, {}
+    for zero in (False, True):
+        plan = _plan(tmp_path / str(zero), MLP, zero)
+        predicted[zero] = load_plan(plan).module.programs[2].attrs.peak_bytes or 0.0
+        measured[zero] = run(plan, steps=2, **opts).peak_bytes[2]  # type: ignore[arg-type]
+        assert measured[zero] == pytest.approx(predicted[zero], rel=0.02)
+    # Adam's two moments of s1's parameters, halved: the rank's peak falls by one moment's worth.
+    assert predicted[False] - predicted[True] == pytest.approx(measured[False] - measured[True], rel=0.01)

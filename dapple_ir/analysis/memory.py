@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from dapple_ir.errors import DappleError
-from dapple_ir.ir import Module, Op
+from dapple_ir.ir import Module, Op, Stage
 
 #: Bytes of optimizer state per byte of parameter.
 OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -41,6 +41,21 @@ def static_bytes(module: Module, ops: list[Op]) -> float:
     param_bytes = module.param_bytes_of(ops)
     buffers = _buffer_bytes(module, ops)
     return param_bytes * (2.0 + optimizer_state_factor(module.attrs.optimizer)) + buffers
+
+
+def sharded_state_saving(param_bytes: float, state_factor: float, shards: int) -> float:
+    """The optimizer state a replica does not hold when `shards` replicas shard the state of `param_bytes` of
+    parameters (ZeRO-1: each holds 1/shards of it; parameters and gradients stay whole)."""
+    return param_bytes * state_factor * (1.0 - 1.0 / shards) if shards > 1 else 0.0
+
+
+def shardable_param_bytes(module: Module, stage: Stage) -> float:
+    """Bytes of the parameters a sharded stage shards: those only its ops read (a parameter other stages also
+    read is allreduced and stepped whole, `allreduce param`), and an imported profile's unnamed `param_bytes`."""
+    others = {n for s in module.stages if s is not stage for op in s.ops for n in op.attrs.params or ()}
+    own = {n for op in stage.ops for n in op.attrs.params or ()} - others
+    named = sum(p.nbytes for p in module.params if p.name in own and not p.attrs.buffer)
+    return named + sum(op.attrs.param_bytes or 0.0 for op in stage.ops)
 
 
 def _buffer_bytes(module: Module, ops: list[Op]) -> float:

@@ -1,7 +1,8 @@
 """Static peak memory of rank programs, shared by `insert-frees`, the verifier, the simulator and the planner.
 
 A rank holds its static bytes (parameters, gradients and optimizer state of the stages it hosts, counted
-once even when a tied parameter sits in two of them) plus what is live at the instruction being run:
+once even when a tied parameter sits in two of them; a `zero = 1` stage's replica holds 1/R of its own
+parameters' optimizer state) plus what is live at the instruction being run:
   * `forward @s mb=m` keeps the stage's activations (`memory.activation_bytes`) until `free @s mb=m`;
   * `recv %v mb=m` and `recv grad %v mb=m` hold the transfer (`transfer_bytes`) until the matching free,
     from the point its receive is posted (`recv_posts`: up to one compute ahead, where memory allows);
@@ -205,8 +206,18 @@ class Sizes:
         return _memo(self.params, tuple(stages), lambda: self.module.param_bytes_of(_ops(stages)))
 
     def static_of(self, stages: list[Stage]) -> float:
-        """Parameters, gradients and optimizer state of the stages a rank hosts."""
-        return _memo(self.static, tuple(stages), lambda: memory.static_bytes(self.module, _ops(stages)))
+        """Parameters, gradients and optimizer state of the stages a rank hosts; a sharded stage's (ZeRO-1)
+        replica holds 1/R of its own parameters' state (`memory.sharded_state_saving`)."""
+        return _memo(self.static, tuple(stages), lambda: self._static(stages))
+
+    def _static(self, stages: list[Stage]) -> float:
+        factor = memory.optimizer_state_factor(self.module.attrs.optimizer)
+        saved = sum(
+            memory.sharded_state_saving(memory.shardable_param_bytes(self.module, s), factor, s.replicas)
+            for s in stages
+            if s.sharded
+        )
+        return memory.static_bytes(self.module, _ops(stages)) - saved
 
 
 def _ops(stages: list[Stage] | tuple[Stage, ...]) -> list[Op]:

@@ -11,6 +11,7 @@ from dapple_ir.commands.opt import add_pass_manager_flags, pass_manager_options
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.hf_spec import DEFAULT_BATCH, DEFAULT_SEQ, is_hf_spec, with_shape
 from dapple_ir.planner.cost_model import POLICIES, REPLICATION
+from dapple_ir.planner.request import ZERO
 from dapple_ir.planner.search import METHODS, RECOMPUTE
 
 _EPILOG = """examples:
@@ -67,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=RECOMPUTE,
         default="auto",
         help="activation recomputation: auto (the planner picks the stages that need it), none or all",
+    )
+    p.add_argument(
+        "--zero",
+        choices=ZERO,
+        default="none",
+        help="shard the optimizer state of replicated stages over their replicas (ZeRO-1): auto (where it makes "
+        "the plan faster or fit), none (the default) or all",
     )
     p.add_argument(
         "--replication",
@@ -128,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         virtual=args.virtual,
         recompute=args.recompute,
         replication=args.replication,
+        zero=args.zero,
         precision=args.precision,
         split_at=tuple(name.strip() for name in (args.split_at or "").split(",") if name.strip()),
         log=lambda m: print(m, file=sys.stderr),

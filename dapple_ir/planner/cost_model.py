@@ -51,6 +51,11 @@ input (the bytes crossing the cut before it) per microbatch in flight, plus one 
 activations while the rerun forward and the backward run; its backward costs B_s + F_s. With uniform
 stages recomputing everywhere the closed form becomes (M + S - 1)(2F + B).
 
+Sharded optimizer state (`Candidate.zero`, per replicated stage; ZeRO-1): AR_s plus the optimizer step becomes
+the ring's reduce-scatter half, the step over 1/R_s of the stage's own parameters and the all-gather half
+(`Problem.gradient_tail_s`: the same bytes on the links as the allreduce, a shorter step), and the static bytes
+hold 1/R_s of those parameters' optimizer state (`Problem.static_of`).
+
 With V virtual stages per device group (interleaved, `Candidate.virtual`), the S = P V stages sit on
 P groups (stage k on group k % P) and the recursion runs over the groups (`_evaluate_interleaved`):
 the first microbatch crosses each group in chunks of 1/V of its work, so the bubble shrinks by V,
@@ -132,8 +137,20 @@ class Candidate:
     """Per stage: do its replicas split every microbatch (DAPPLE: replica j of R takes rows
     [j b // R, (j + 1) b // R) of each), rather than take whole ones round robin (empty: none)."""
 
+    zero: tuple[bool, ...] = ()
+    """Per stage: do its replicas shard the optimizer state (ZeRO-1; a stage of one replica never does)?"""
+
     def recomputes(self, k: int) -> bool:
         return k < len(self.recompute) and self.recompute[k]
+
+    def shards(self, k: int) -> bool:
+        """Does stage k shard its optimizer state over its replicas (`zero`)?"""
+        return k < len(self.zero) and self.zero[k] and self.stages[k].replicas > 1
+
+    def sharding(self) -> str:
+        """The sharded stages, as `--explain` lists them ("s1,s2"), or "-"."""
+        names = [f"s{k}" for k in range(len(self.stages)) if self.shards(k)]
+        return ",".join(names) if names else "-"
 
     def recomputing(self) -> str:
         """The recomputing stages, as `--explain` lists them ("s0,s2"), or "-"."""
@@ -163,12 +180,17 @@ class Candidate:
         virtual = f" V={self.virtual}" if self.virtual > 1 else ""
         rc = f" rc {self.recomputing()}" if any(self.recompute) else ""
         split = f" R={self.replication()}" if any(self.split) else ""
+        zero = f" zero {self.sharding()}" if any(self.zero) else ""
         head = f"S={len(self.stages)}{virtual} M={self.microbatches} {self.schedule} {self.policy}"
-        return f"{head}{rc}{split} layers[{cuts}]"
+        return f"{head}{rc}{split}{zero} layers[{cuts}]"
 
     def replication(self) -> str:
-        """Replica counts with an `s` on the split stages, as `--explain` shows them: "15s,1"."""
-        return ",".join(f"{st.replicas}{'s' if self.splits(k) else ''}" for k, st in enumerate(self.stages))
+        """Replica counts with an `s` on the split stages and a `z` on those sharding their optimizer state (ZeRO-1),
+        as `--explain` shows them: "15s,1,2z"."""
+        return ",".join(
+            f"{st.replicas}{'s' if self.splits(k) else ''}{'z' if self.shards(k) else ''}"
+            for k, st in enumerate(self.stages)
+        )
 
 
 @dataclass(frozen=True)
@@ -273,15 +295,17 @@ def stage_memory(
     per_replica: int,
     b: int,
     recompute: bool = False,
+    shards: int = 1,
 ) -> float:
     """Static bytes of layers [lo, hi) plus the activations of the microbatches in flight; with
     `recompute`, each microbatch in flight keeps only the stage's input (`received_bytes`) and one
     microbatch's activations live while its forward reruns before the backward."""
     act = (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
     held = in_flight(schedule, stages_after, per_replica)
+    static = problem.static_of(lo, hi, shards)
     if recompute:
-        return problem.static_of(lo, hi) + held * received_bytes(problem, lo, b) + act
-    return problem.static_of(lo, hi) + held * act
+        return static + held * received_bytes(problem, lo, b) + act
+    return static + held * act
 
 
 def received_bytes(problem: Problem, lo: int, b: int) -> float:
@@ -387,10 +411,11 @@ def stage_price(
     grads = max(0.0, problem.grads_of(st.lo, st.hi) - left_out)
     ring = problem.ring(st.devices)
     _add(loads, ring.crossings, ring.step_bytes(grads))
-    tail = ring.seconds(grads) + problem.optimizer_s(st.lo, st.hi, st.devices)
+    tail = problem.gradient_tail_s(st.lo, st.hi, st.devices, grads, cand.shards(s))
     warm = in_flight(cand.schedule, n - s, per_replica)
     g, r = stage_step(cand.schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
-    peak = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s))
+    shards = st.replicas if cand.shards(s) else 1
+    peak = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards)
     return StagePrice(g, r, busy, fwd, bwd, c, tail, peak)
 
 
@@ -462,7 +487,7 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
         g = k % p
         work[g] += chunk[k]
         bwd[g] += pb[st.hi] - pb[st.lo] + host[k] / 2
-        static[g] += problem.static_of(st.lo, st.hi)
+        static[g] += problem.static_of(st.lo, st.hi, st.replicas if cand.shards(k) else 1)
         ring = problem.ring(st.devices)
         _add(loads, ring.crossings, ring.step_bytes(problem.grads_of(st.lo, st.hi)))
         if k == n - 1:
@@ -489,8 +514,8 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
         busies[g] = -(-m // len(devices)) * max(work[g], rounds)
         g_time = max(busies[g], work[g] / cand.virtual + 2 * cut_s[g] + g_time)
         ar = sum(
-            problem.allreduce_s(problem.grads_of(s.lo, s.hi), s.devices) + problem.optimizer_s(s.lo, s.hi, s.devices)
-            for s in cand.stages[g::p]
+            problem.gradient_tail_s(s.lo, s.hi, s.devices, problem.grads_of(s.lo, s.hi), cand.shards(k))
+            for k, s in ((k, cand.stages[k]) for k in range(g, n, p))
         )
         h = max(ar, h - (bwd[g] / cand.virtual + cut_s[g]))
     peaks = tuple(static[k % p] + held[k % p] for k in range(n))

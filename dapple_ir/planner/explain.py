@@ -66,7 +66,7 @@ def explain_lines(problem: Problem, chosen: Scored, ranked: list[Scored], reject
         )
     cuts = ", ".join(
         f"s{k}: layers {st.lo}-{st.hi - 1} on {list(st.devices)}{' split' if chosen.cand.splits(k) else ''}"
-        f"{' recomputing' if chosen.cand.recomputes(k) else ''}"
+        f"{' recomputing' if chosen.cand.recomputes(k) else ''}{' zero-1' if chosen.cand.shards(k) else ''}"
         for k, st in enumerate(chosen.cand.stages)
     )
     lines.append(f"chosen: {cuts}")

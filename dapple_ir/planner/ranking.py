@@ -24,6 +24,7 @@ from dapple_ir.planner.pinned import keeps_cuts, pinned_candidates
 from dapple_ir.planner.recompute import recompute_variants
 from dapple_ir.planner.request import RECOMPUTE_SCHEDULES, Request, validate, virtual_choices
 from dapple_ir.planner.scoring import Score, Scored, score_best, unique
+from dapple_ir.planner.zero import zero_variants
 from dapple_ir.units import GB
 
 #: How many of the best candidates `auto` lowers and simulates.
@@ -130,11 +131,12 @@ def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tu
                 base_req = dataclasses.replace(req, schedule="1f1b", stages=groups)
                 bases[groups] = gather(problem, base_req, "1f1b") + even_groups(problem, base_req)
             pool += interleaved_variants(problem, bases[groups], v)
-        return "1f1b", unique(pool)
+        return "1f1b", unique(zero_variants(problem, req, pool))
     found = [s for s in propose(problem, req, schedule) if keeps_cuts(s.cand, req)]
     pool = replication_variants(problem, req, found)
     if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = recompute_variants(problem, req, schedule, pool)
+    pool = zero_variants(problem, req, pool)
     # Recomputation's own searches propose cuts of their own: with pinned cuts, only those stay.
     return schedule, unique([s for s in pool if keeps_cuts(s.cand, req)])
 

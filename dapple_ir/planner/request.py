@@ -17,6 +17,8 @@ MAX_VIRTUAL = 4
 
 #: Recomputation choices: per stage where it fits only so (or lets a faster plan fit), never, or everywhere.
 RECOMPUTE = ("auto", "none", "all")
+#: Sharded optimizer state (ZeRO-1) of replicated stages: where it helps, nowhere, everywhere (`planner.zero`).
+ZERO = ("auto", "none", "all")
 
 #: Schedules whose memory the cost model counts with recomputation (a split backward, zb-h1, keeps the
 #: rerun activations until its deferred weight pass; interleaved has its own accounting).
@@ -43,6 +45,10 @@ class Request:
     replication: str = "auto"
     """One of `REPLICATION`: replicated stages split each microbatch (DAPPLE), take whole ones round
     robin, or (`auto`) the planner weighs both per candidate."""
+    zero: str = "none"
+    """`auto`, `none` or `all`: shard the optimizer state of replicated stages (ZeRO-1, `planner.zero`). `none` by
+    default until the simulator prices reduce_scatter and all_gather (it runs them as free now), so that its
+    ranking cannot favour a sharded twin for collectives it does not see."""
     cuts: tuple[int, ...] = ()
     """Layer boundaries where a stage must begin (`--split-at`, `analysis.module_cuts.split_layers`): the
     stages are these and only these; the planner chooses replication, placement, microbatches and schedule."""
@@ -62,6 +68,8 @@ def validate(problem: Problem, req: Request) -> None:
             "replication=split is not modelled with virtual stages (interleaved); ask for replication "
             "auto or round-robin, or another schedule"
         )
+    if req.zero not in ZERO:
+        raise PlanError(f"zero must be one of {', '.join(ZERO)}, not '{req.zero}'")
     if req.recompute not in RECOMPUTE:
         raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE)}, not '{req.recompute}'")
     if req.recompute == "all" and (

@@ -34,7 +34,16 @@ def plan_key(cand: Candidate) -> tuple:
     """What makes two candidates the same plan (the proposer aside)."""
     # A stage of one replica splits nothing: (False,) * S, () and a flag on it are the same plan.
     split = tuple(cand.splits(k) for k in range(len(cand.stages)))
-    return (cand.stages, cand.microbatches, cand.schedule, cand.recompute, cand.virtual, split if any(split) else ())
+    zero = tuple(cand.shards(k) for k in range(len(cand.stages)))
+    return (
+        cand.stages,
+        cand.microbatches,
+        cand.schedule,
+        cand.recompute,
+        cand.virtual,
+        split if any(split) else (),
+        zero if any(zero) else (),
+    )
 
 
 def unique(pool: list[Scored]) -> list[Scored]:
@@ -75,6 +84,7 @@ def lowers_alike(a: Candidate, b: Candidate) -> bool:
         or a.virtual != b.virtual
         or a.recompute != b.recompute
         or a.split != b.split
+        or a.zero != b.zero
     ):
         return False
     if a.stages != b.stages:

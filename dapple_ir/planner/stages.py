@@ -14,7 +14,8 @@ def write_stages(module: Module, problem: Problem, cand: Candidate) -> None:
         ops = sorted((op for layer in module.layers[st.lo : st.hi] for op in layer.ops), key=position.__getitem__)
         recompute = True if cand.recomputes(k) else None
         split = True if cand.splits(k) else None
-        placed = StageAttrs(replicas=st.replicas, devices=st.devices, split=split, recompute=recompute)
+        zero = 1 if cand.shards(k) else None
+        placed = StageAttrs(replicas=st.replicas, devices=st.devices, split=split, recompute=recompute, zero=zero)
         module.stages.append(Stage(f"s{k}", ops, placed))
     module.programs = []
     attrs = module.attrs

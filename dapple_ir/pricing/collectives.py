@@ -9,6 +9,11 @@ the host (`DeviceKind.reduce_per_byte`; 0 on the GPU presets, measured by `dappl
 `RingAllreduce` holds that plan once for a device group: its time alone (`seconds`), its linear
 coefficients for the solvers (`per_byte_s`, `fixed_s`: the time is exactly affine in the bytes), and
 its flows for the simulator and the link-load sums (`steps`, `crossings`, `step_bytes`, `host_s`).
+
+A sharded stage (ZeRO-1) runs the allreduce's two halves apart, on the same ring: a reduce-scatter (n-1 steps
+of (n-1)/n of the bytes in all, the hosts' reduction included) before the optimizer step, and an all-gather
+(the same bytes, nothing to reduce) after it (`reduce_scatter_s`, `all_gather_s`, `shard_step_bytes`). The
+two together move and cost exactly what the allreduce does.
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ from dataclasses import dataclass
 from dapple_ir.cluster.topology import Network
 
 
+def ring_shard_bytes(nbytes: float, members: int) -> float:
+    """Bytes each step of a ring reduce-scatter or all-gather over `members` devices sends: (n-1)/n of them."""
+    return (members - 1) / members * nbytes if members > 1 else 0.0
+
+
 def ring_step_bytes(nbytes: float, members: int) -> float:
-    """Bytes each step of a ring allreduce over `members` devices sends: 2(n-1)/n of the reduced bytes."""
-    return 2 * (members - 1) / members * nbytes if members > 1 else 0.0
+    """Bytes each step of a ring allreduce (a reduce-scatter, then an all-gather) sends: 2(n-1)/n of them."""
+    return 2 * ring_shard_bytes(nbytes, members)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,22 @@ class RingAllreduce:
     def step_bytes(self, nbytes: float) -> float:
         """Bytes each step sends (`ring_step_bytes`)."""
         return ring_step_bytes(nbytes, self.members)
+
+    def shard_step_bytes(self, nbytes: float) -> float:
+        """Bytes each step of the reduce-scatter or the all-gather half sends (`ring_shard_bytes`)."""
+        return ring_shard_bytes(nbytes, self.members)
+
+    def reduce_scatter_s(self, nbytes: float) -> float:
+        """The reduce-scatter half alone: half the links' time and rounds, all of the hosts' reduction."""
+        if self.members <= 1 or nbytes <= 0:
+            return 0.0
+        return self.fixed_s / 2 + (self.link_per_byte_s / 2 + self.host_per_byte_s) * nbytes
+
+    def all_gather_s(self, nbytes: float) -> float:
+        """The all-gather half alone: the other half of the links' time and rounds."""
+        if self.members <= 1 or nbytes <= 0:
+            return 0.0
+        return self.fixed_s / 2 + self.link_per_byte_s / 2 * nbytes
 
     def host_s(self, nbytes: float) -> float:
         """The members' reduction on the host after the links (the simulator adds it to the ring's end)."""

@@ -18,7 +18,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
-from dapple_ir.analysis.memory import optimizer_state_factor
+from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving
 from dapple_ir.analysis.peak_memory import param_ops
 from dapple_ir.analysis.precision import (
     half_fraction,
@@ -159,10 +159,19 @@ class Problem:
             bwd.append(affine[1][layer + 1] + extra_b)
         return fwd, bwd
 
-    def static_of(self, lo: int, hi: int) -> float:
+    def static_of(self, lo: int, hi: int, shards: int = 1) -> float:
         """Static bytes of layers [lo, hi) with each parameter once: a parameter several of them read (a tied
-        embedding and LM head) is summed per layer in `static_bytes`, so its extra copies come off here."""
-        return self.ps[hi] - self.ps[lo] - self._shared_extra(lo, hi) * (2.0 + self.state_factor)
+        embedding and LM head) is summed per layer in `static_bytes`, so its extra copies come off here. With
+        `shards` > 1 (ZeRO-1) a replica holds 1/shards of the state of the parameters the stage shards."""
+        whole = self.ps[hi] - self.ps[lo] - self._shared_extra(lo, hi) * (2.0 + self.state_factor)
+        return whole - sharded_state_saving(self.shardable_of(lo, hi), self.state_factor, shards)
+
+    def shardable_of(self, lo: int, hi: int) -> float:
+        """Parameter bytes a stage of layers [lo, hi) shards (ZeRO-1) and reduces itself: all but a tied parameter
+        that layers outside the range also read (that one is allreduced and stepped whole)."""
+        outside = sum(nbytes for nbytes, layers in self.tied if any(lo <= k < hi for k in layers))
+        outside -= sum(nbytes for nbytes, layers in self.tied if all(lo <= k < hi for k in layers))
+        return max(0.0, self.grads_of(lo, hi) - outside)
 
     def grads_of(self, lo: int, hi: int) -> float:
         """Trainable parameter (and gradient) bytes of layers [lo, hi), each parameter once."""
@@ -189,10 +198,22 @@ class Problem:
         ops, nbytes = self.pw[hi] - self.pw[lo], self.pwb[hi] - self.pwb[lo]
         return max(self.cluster.device(d).split_s(ops, nbytes) for d in devices)
 
-    def optimizer_s(self, lo: int, hi: int, devices: Sequence[int]) -> float:
-        """The optimizer step over layers [lo, hi)'s parameters on the slowest of `devices`."""
+    def optimizer_s(self, lo: int, hi: int, devices: Sequence[int], sharded: bool = False) -> float:
+        """The optimizer step over layers [lo, hi)'s parameters on the slowest of `devices`; `sharded` (ZeRO-1):
+        each replica steps 1/R of the parameters the stage shards, and the tied ones whole."""
         nbytes = self.grads_of(lo, hi)
+        if sharded and len(devices) > 1:
+            nbytes -= self.shardable_of(lo, hi) * (1.0 - 1.0 / len(devices))
         return max(optimizer_step_s(self.cluster.device(d), nbytes, self.state_factor) for d in devices)
+
+    def gradient_tail_s(self, lo: int, hi: int, devices: Sequence[int], grads: float, sharded: bool) -> float:
+        """A stage's work after its last backward, `grads` being the bytes its own collective reduces: the ring
+        allreduce and the optimizer step, or (ZeRO-1) the reduce-scatter, the shard's step and the all-gather."""
+        ring = self.ring(devices)
+        step = self.optimizer_s(lo, hi, devices, sharded)
+        if sharded and len(devices) > 1:
+            return ring.reduce_scatter_s(grads) + step + ring.all_gather_s(grads)
+        return ring.seconds(grads) + step
 
     def ring(self, devices: Sequence[int]) -> RingAllreduce:
         """The ring allreduce over `devices` (`pricing.collectives`)."""
