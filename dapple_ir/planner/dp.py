@@ -14,8 +14,9 @@ fronts entries are kept apart by where that stage lies. Every price comes from `
 zb-h1's split backward, each parameter once, the ring allreduce with the hosts' reduction, the
 optimizer step, and each cut over the links it shares.
 
-What the DP leaves out, all re-priced by `evaluate` for the plan it returns: the allreduce of a tied
-parameter whose readers fall in different stages (summed over every device holding it), the core
+What the DP leaves out, all re-priced by `evaluate` for the plan it returns: sharded optimizer state (ZeRO-1:
+its plans shard nothing; `planner.zero` adds the sharded twins, as replication variants are added), the
+allreduce of a tied parameter whose readers fall in different stages (summed over every device holding it), the core
 floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
 card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
 thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
