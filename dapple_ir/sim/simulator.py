@@ -92,6 +92,7 @@ import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from dapple_ir.analysis import memory
 from dapple_ir.analysis.peak_memory import (
@@ -390,6 +391,107 @@ _RESUME, _FLOW_END, _FLOW_START, _CORE_END = 0, 1, 2, 3
 STEADY_RUNS = 12
 
 
+#: Instruction kinds as module constants: the hot loop compares kinds by identity.
+_FORWARD, _BACKWARD, _BACKWARD_INPUT, _BACKWARD_WEIGHT = (
+    InstrKind.FORWARD,
+    InstrKind.BACKWARD,
+    InstrKind.BACKWARD_INPUT,
+    InstrKind.BACKWARD_WEIGHT,
+)
+_SEND, _RECV, _ALLREDUCE, _OPTIMIZER_STEP, _FREE, _LOAD = (
+    InstrKind.SEND,
+    InstrKind.RECV,
+    InstrKind.ALLREDUCE,
+    InstrKind.OPTIMIZER_STEP,
+    InstrKind.FREE,
+    InstrKind.LOAD_MICROBATCH,
+)
+
+
+class _RankCosts(NamedTuple):
+    """What `_Simulator.advance` reads of one rank, in one lookup per call."""
+
+    instrs: list[Instr]
+    fwd: dict[Stage, float]
+    """Seconds of a forward of each stage on the rank's device at its replica's rows; the same for the next three."""
+    bwd: dict[Stage, float]
+    bwd_input: dict[Stage, float]
+    bwd_weight: dict[Stage, float]
+    step_s: float
+    """Its optimizer step's seconds."""
+    host: list[float] | None
+    """Per instruction, the host's own seconds (`host_s`); None where no device prices them."""
+    core_path: tuple[int, int] | None
+    """Its (node's cores, own thread) links where ranks share cores (`_core_paths`), else None."""
+    posts: dict[int, list[tuple]]  # type: ignore[type-arg]
+    """Instruction index -> the receives (transfer keys) posted right before it: each recv at its own index, or
+    earlier where `peak_memory.recv_posts` moves it."""
+
+
+def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[dict[int, list[tuple]], list[tuple[int, float]]]:  # type: ignore[type-arg]
+    """Of `rank`'s program: the receives posted before each instruction (`_RankCosts.posts`), and (instruction
+    index, bytes) of each change of its live memory under those posts."""
+    program = module.programs[rank]
+    early, changes = posted_changes(module, program, sizes)
+    here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+    for index, instr in enumerate(program.instrs):
+        if instr.kind is InstrKind.RECV:
+            recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
+            here.setdefault(early.get(index, index), []).append(recv_key)
+    return here, changes
+
+
+@dataclass(slots=True)
+class _RunState:
+    """What one run of `_Simulator` changes as it goes; the simulator itself holds what every run shares."""
+
+    sharing: LinkSharing
+    """The links' flows: transfers and ring steps."""
+    cores: LinkSharing | None
+    """Work on shared cores (`_core_paths`), None where no ranks share them."""
+    replayed: Mapping[tuple[int, int], float] | None
+    """Measured seconds by (rank, instruction index), None when none are given (the hot loop skips the lookup)."""
+    starts: list[list[float]]
+    ends: list[list[float]]
+    clock: list[float]
+    """Per rank: its own time, where it stopped."""
+    busy: list[float]
+    pc: list[int]
+    """Per rank: the instruction it stopped at."""
+    reduce_seen: list[dict[tuple, int]]  # type: ignore[type-arg]
+    """Per rank: how many allreduces of each (group, target) it has reached."""
+    parked_key: list[tuple | None]  # type: ignore[type-arg]
+    """Per rank: the allreduce it waits in, else None."""
+    heap: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    """The event queue: (time, ticket, event, subject, version)."""
+    ticket: int = 0
+    now: float = 0.0
+    """The global clock: the time of the event running, or later where a rank acted on it (`on_global_clock`)."""
+    computing: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Work on shared cores in flight: its flow -> (rank, instruction index)."""
+    waited_on: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """(rank, index) -> (rank, index) whose completion the instruction waited for."""
+    held_by: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """(rank, send index) -> (rank, index) the receiver ran before posting the receive that held the bytes back."""
+    arrivals: dict[tuple, tuple[float, int, int]] = field(default_factory=dict)  # type: ignore[type-arg]
+    """(value, grad, mb, sending rank, receiving rank) -> (arrival time, sending rank, send index)."""
+    recv_waiters: dict[tuple, int] = field(default_factory=dict)  # type: ignore[type-arg]
+    posted: dict[tuple, tuple[float, int]] = field(default_factory=dict)  # type: ignore[type-arg]
+    """Transfer key -> (when its receive was posted, the instruction it was posted before)."""
+    unposted: dict[tuple, _Transfer] = field(default_factory=dict)  # type: ignore[type-arg]
+    """Sends issued before their receive's post, by transfer key."""
+    deferred: dict[int, _Transfer] = field(default_factory=dict)
+    """Transfers waiting in the queue for the ready notice, by ticket."""
+    began: dict[tuple, float] = field(default_factory=dict)  # type: ignore[type-arg]
+    """Transfer key -> when its bytes started to move, for receivers whose computing slows them (`landing`)."""
+    reduce_members: dict[tuple, list[tuple[float, int, int]]] = field(default_factory=dict)  # type: ignore[type-arg]
+    reduce_done: dict[tuple, tuple[float, float, int, int]] = field(default_factory=dict)  # type: ignore[type-arg]
+    owners: dict[int, tuple] = field(default_factory=dict)  # type: ignore[type-arg]
+    """flow -> (transfer key, sending rank, send index, latency) or (allreduce key,)."""
+    pending: dict[tuple, list[float]] = field(default_factory=dict)  # type: ignore[type-arg]
+    """Allreduce key -> [its ring's steps still moving, the latency after the last]."""
+
+
 class _Simulator:
     def __init__(
         self,
@@ -406,31 +508,8 @@ class _Simulator:
                 raise DappleError(
                     f"rank {r} runs on device {d}, but cluster {cluster.name} has devices 0..{cluster.num_devices - 1}"
                 )
-        # Durations of each compute kind by rank and stage, looked up once per instruction in the main loop.
-        self.fwd: list[dict[Stage, float]] = []
-        self.bwd: list[dict[Stage, float]] = []
-        self.bwd_input: list[dict[Stage, float]] = []
-        self.bwd_weight: list[dict[Stage, float]] = []
-        durations: dict[tuple[Stage, int, int, str], tuple[float, float, float, float]] = {}
-        for rank, program in enumerate(module.programs):
-            kind = cluster.device(self.devices[rank])
-            rows = replica_rows(module, program.attrs.replica or 0)
-            for table in (self.fwd, self.bwd, self.bwd_input, self.bwd_weight):
-                table.append({})
-            for stage in module.stages:
-                lo, hi = rows(stage)
-                key = (stage, lo, hi, kind.name)
-                if key not in durations:
-                    times = prices.stage_times(stage.ops, hi - lo, kind)
-                    durations[key] = _durations(module, stage, times, kind, fractions[stage])
-                fwd, bwd, bwd_input, bwd_weight = durations[key]
-                self.fwd[rank][stage], self.bwd[rank][stage] = fwd, bwd
-                self.bwd_input[rank][stage], self.bwd_weight[rank][stage] = bwd_input, bwd_weight
         self.hosted = [hosted_stages(module, p) for p in module.programs]
         kinds = [cluster.device(d) for d in self.devices]
-        # Per rank and instruction, the host's own seconds (`host_s`); None where no device prices them.
-        priced = any(kind.prices_host for kind in kinds)
-        self.host = [host_s(p, kind) for p, kind in zip(module.programs, kinds, strict=True)] if priced else None
         # Per rank, what going on after a wait that blocked costs it (`wake_overhead`); None where nothing does.
         wakes = [kind.wake_overhead for kind in kinds]
         self.wake = wakes if any(wakes) else None
@@ -443,25 +522,51 @@ class _Simulator:
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
-        # Per rank, instruction index -> the receives (transfer keys) posted right before it: each recv at its own
-        # index, or earlier where `recv_posts` moves it.
-        self.post_at: list[dict[int, list[tuple]]] = []  # type: ignore[type-arg]
-        # Per rank, (instruction index, bytes) of each change of its live memory under those posts.
-        self.changes: list[list[tuple[int, float]]] = []
+        posts = [_posts(module, rank, self.sizes) for rank in range(len(module.programs))]
+        # Per rank, (instruction index, bytes) of each change of its live memory under its receives' posts.
+        self.changes = [changes for _, changes in posts]
+        # Per rank and instruction, the host's own seconds (`host_s`); None where no device prices them.
+        priced = any(kind.prices_host for kind in kinds)
+        host = [host_s(p, kind) for p, kind in zip(module.programs, kinds, strict=True)] if priced else None
+        compute = self.compute_s(fractions, prices)
+        self.of_rank = [
+            _RankCosts(
+                program.instrs,
+                *compute[r],
+                self.optimizer_s(r),
+                host[r] if host is not None else None,
+                self.core_paths[r] if self.core_paths is not None else None,
+                posts[r][0],
+            )
+            for r, program in enumerate(module.programs)
+        ]
+
+    def compute_s(
+        self, fractions: dict[Stage, float], prices: OpPrices
+    ) -> list[tuple[dict[Stage, float], dict[Stage, float], dict[Stage, float], dict[Stage, float]]]:
+        """Per rank, the seconds of a forward, backward, input pass and weight pass of each stage on its device at its
+        replica's rows (`_durations`), worked out once per distinct (stage, rows, device kind)."""
+        module = self.module
+        durations: dict[tuple[Stage, int, int, str], tuple[float, float, float, float]] = {}
+        tables = []
         for rank, program in enumerate(module.programs):
-            early, changes = posted_changes(module, program, self.sizes)
-            self.changes.append(changes)
-            here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
-            for index, instr in enumerate(program.instrs):
-                if instr.kind is InstrKind.RECV:
-                    recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
-                    here.setdefault(early.get(index, index), []).append(recv_key)
-            self.post_at.append(here)
+            kind = self.cluster.device(self.devices[rank])
+            rows = replica_rows(module, program.attrs.replica or 0)
+            fwd, bwd, bwd_input, bwd_weight = {}, {}, {}, {}
+            for stage in module.stages:
+                lo, hi = rows(stage)
+                key = (stage, lo, hi, kind.name)
+                if key not in durations:
+                    times = prices.stage_times(stage.ops, hi - lo, kind)
+                    durations[key] = _durations(module, stage, times, kind, fractions[stage])
+                fwd[stage], bwd[stage], bwd_input[stage], bwd_weight[stage] = durations[key]
+            tables.append((fwd, bwd, bwd_input, bwd_weight))
+        return tables
 
     # ----------------------------------------------------------------------- instruction costs
 
     def route(
-        self, value: Op, src: int, dst: int, rows: tuple[int, int] | None
+        self, state: _RunState, value: Op, src: int, dst: int, rows: tuple[int, int] | None
     ) -> tuple[float, tuple[int, ...], float]:
         """(bytes, links, latency) of `send value` (its `rows`, where given) from rank src to rank dst; no
         links when the path costs nothing (ideal links)."""
@@ -469,7 +574,7 @@ class _Simulator:
         path = self.network.path(a, b)
         found = self.routes[(value, src, dst, rows)] = (
             transfer_bytes(self.module, value, rows),
-            () if self.sharing.is_free(path) else path,
+            () if state.sharing.is_free(path) else path,
             self.network.latency(a, b),
         )
         return found
@@ -539,259 +644,261 @@ class _Simulator:
     def run(self, replay: Mapping[tuple[int, int], float], begin: list[float] | None = None) -> SimulationResult:
         """One iteration, the instructions in `replay` taking its seconds; each rank from its time in `begin`
         (default 0). Each run starts with idle links."""
-        programs = self.module.programs
-        self.sharing = LinkSharing([link.bandwidth for link in self.network.links])
-        core_paths = self.core_paths
-        cores = LinkSharing(self.core_capacity) if core_paths is not None else None
-        # Computation on shared cores in flight: its flow -> (rank, instruction index).
-        computing: dict[int, tuple[int, int]] = {}
-        n = len(programs)
-        starts = [[0.0] * len(p.instrs) for p in programs]
-        ends = [[0.0] * len(p.instrs) for p in programs]
-        step_s = [self.optimizer_s(r) for r in range(n)]
-        clock = list(begin) if begin is not None else [0.0] * n
-        busy = [0.0] * n
-        pc = [0] * n
-        # (rank, index) -> (rank, index) whose completion the instruction waited for.
-        waited_on: dict[tuple[int, int], tuple[int, int]] = {}
-        # (rank, send index) -> (rank, index) the receiver ran before posting the receive that held the bytes back.
-        held_by: dict[tuple[int, int], tuple[int, int]] = {}
-        # (value, grad, mb, sending rank, receiving rank) -> (arrival time, sending rank, send index)
-        arrivals: dict[tuple, tuple[float, int, int]] = {}  # type: ignore[type-arg]
-        recv_waiters: dict[tuple, int] = {}  # type: ignore[type-arg]
-        self.arrivals, self.recv_waiters, self.starts, self.ends, self.pc = arrivals, recv_waiters, starts, ends, pc
-        # Transfer key -> (when its receive was posted, the instruction it was posted before); sends issued before
-        # their receive's post wait in `unposted`.
-        posted: dict[tuple, tuple[float, int]] = {}  # type: ignore[type-arg]
-        self.unposted: dict[tuple, _Transfer] = {}  # type: ignore[type-arg]
-        self.deferred: dict[int, _Transfer] = {}
-        # Transfer key -> when its bytes started to move, for receivers whose computing slows them (`landing`).
-        self.began: dict[tuple, float] = {}  # type: ignore[type-arg]
-        slowdowns, began = self.slowdowns, self.began
-        post_at = self.post_at
-        reduce_seen: list[dict[tuple, int]] = [{} for _ in range(n)]  # type: ignore[type-arg]
-        parked_key: list[tuple | None] = [None] * n  # type: ignore[type-arg]
-        self.reduce_members: dict[tuple, list[tuple[float, int, int]]] = {}  # type: ignore[type-arg]
-        self.reduce_done: dict[tuple, tuple[float, float, int, int]] = {}  # type: ignore[type-arg]
-        reduce_done = self.reduce_done
-        # flow -> (transfer key, sending rank, send index, latency) or (allreduce key,)
-        self.owners: dict[int, tuple] = {}  # type: ignore[type-arg]
-        self.pending: dict[tuple, list[float]] = {}  # type: ignore[type-arg]
-        heap: list[tuple[float, int, int, int, int]] = []
-        self.heap = heap
-        self.ticket = 0
+        n = len(self.module.programs)
+        state = _RunState(
+            sharing=LinkSharing([link.bandwidth for link in self.network.links]),
+            cores=LinkSharing(self.core_capacity) if self.core_paths is not None else None,
+            replayed=replay or None,
+            starts=[[0.0] * len(p.instrs) for p in self.module.programs],
+            ends=[[0.0] * len(p.instrs) for p in self.module.programs],
+            clock=list(begin) if begin is not None else [0.0] * n,
+            busy=[0.0] * n,
+            pc=[0] * n,
+            reduce_seen=[{} for _ in range(n)],
+            parked_key=[None] * n,
+        )
         for r in range(n):
-            self.push(clock[r], _RESUME, r)
-        fwd, bwd, bwd_input, bwd_weight, routes = self.fwd, self.bwd, self.bwd_input, self.bwd_weight, self.routes
-        replayed = replay or None  # none: the hot loop skips the lookup
-        host, wake = self.host, self.wake
-        sharing, owners = self.sharing, self.owners
-        heappush, heappop = heapq.heappush, heapq.heappop
-        # Kinds compare by identity: hashing an enum member runs Python code, too slow per instruction.
-        k_fwd, k_bwd, k_free, k_send, k_recv = (
-            InstrKind.FORWARD,
-            InstrKind.BACKWARD,
-            InstrKind.FREE,
-            InstrKind.SEND,
-            InstrKind.RECV,
-        )
-        k_bwd_input, k_bwd_weight, k_step, k_reduce, k_load = (
-            InstrKind.BACKWARD_INPUT,
-            InstrKind.BACKWARD_WEIGHT,
-            InstrKind.OPTIMIZER_STEP,
-            InstrKind.ALLREDUCE,
-            InstrKind.LOAD_MICROBATCH,
-        )
-        now = 0.0
+            self.push(state, state.clock[r], _RESUME, r)
+        heap, heappop, advance, flow_end = state.heap, heapq.heappop, self.advance, self.flow_end
         while heap:
-            now, _, event, r, version = heappop(heap)
-            if event == _FLOW_END:
-                # `r` is a bundle of flows over one path; its first flows are through.
-                if sharing.is_current(r, version):
-                    through, moved = sharing.finish(now, r)
-                    self.reschedule(moved)
-                    for flow in through:
-                        self.flow_ended(owners.pop(flow), now)
-                continue
-            if event == _FLOW_START:
-                transfer = self.deferred.pop(r)
-                answered = self.answered_s(transfer, now)
-                if answered > now:
-                    self.defer(answered, replace(transfer, answered=True))
-                else:
-                    self.start_transfer(now, transfer)
-                continue
-            if event == _CORE_END:
-                assert cores is not None
-                if cores.is_current(r, version):
-                    through, moved = cores.finish(now, r)
-                    for bundle, end, current in moved:
-                        heappush(heap, (end, self.next_ticket(), _CORE_END, bundle, current))
-                    for flow in through:
-                        rank, index = computing.pop(flow)
-                        ends[rank][index] = now
-                        busy[rank] += now - starts[rank][index]
-                        pc[rank], clock[rank] = index + 1, now
-                        heappush(heap, (now, self.next_ticket(), _RESUME, rank, 0))
-                continue
-            instrs, st, en = programs[r].instrs, starts[r], ends[r]
-            own_host = host[r] if host is not None else None
-            core_path = core_paths[r] if core_paths is not None else None
-            posts_of = post_at[r]
-            i, t, limit, worked = pc[r], clock[r], len(instrs), 0.0
-            while i < limit:
-                instr = instrs[i]
-                kind = instr.kind
-                # Receives posted before this instruction (once: a rank parked here comes back to it).
-                posts = posts_of.get(i)
-                if posts is not None:
-                    for post in posts:
-                        if post not in posted:
-                            posted[post] = (t, i)
-                            waiting = self.unposted.pop(post, None)
-                            if waiting is not None:
-                                self.defer(t + waiting.notice, waiting)
-                                if i > 0:  # the transfer waited for what this rank ran before posting
-                                    held_by[(waiting.src, waiting.index)] = (r, i - 1)
-                # Compute kinds fall through to the common tail; the others finish their own entry.
-                if kind is k_fwd:
-                    d = fwd[r][instr.stage]  # type: ignore[index]
-                elif kind is k_bwd:
-                    d = bwd[r][instr.stage]  # type: ignore[index]
-                elif kind is k_free or kind is k_load:
-                    # Host work of the rank's own: timed only in a replay (a measured step's loads and frees).
-                    d = replayed.get((r, i), 0.0) if replayed is not None else 0.0
-                    if d <= 0.0:
-                        st[i] = en[i] = t
-                        i += 1
-                        continue
-                elif kind is k_send:
-                    # A flow starts on the network's clock: wait until nothing else happens first.
-                    if t > now:
-                        if heap and heap[0][0] < t:
-                            heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
-                            break
-                        now = t
-                    value, peer = instr.value, instr.peer
-                    route = routes.get((value, r, peer, instr.rows))  # type: ignore[arg-type]
-                    if route is None:
-                        route = self.route(value, r, peer, instr.rows)  # type: ignore[arg-type]
-                    nbytes, path, latency = route
-                    # Pieces of one value (split stages) reach one rank from several: the sender is in the key.
-                    key: tuple = (value, instr.grad, instr.mb, r, peer)  # type: ignore[type-arg]
-                    st[i] = t
-                    timed = replayed.get((r, i)) if replayed is not None else None
-                    if timed is None:
-                        transfer = _Transfer(key, r, i, nbytes, path, latency, latency)
-                    else:  # measured: arrives `timed` after the later of now and the post, on no link
-                        transfer = _Transfer(key, r, i, nbytes, (), timed, 0.0, measured=True)
-                    if nbytes <= 0:
-                        self.start_transfer(t, transfer)  # nothing moves, nothing to wait for
-                    elif key not in posted:
-                        self.unposted[key] = transfer
-                    elif posted[key][0] + transfer.notice > t:
-                        self.defer(posted[key][0] + transfer.notice, transfer)
-                        if posted[key][1] > 0:
-                            held_by[(r, i)] = (peer, posted[key][1] - 1)  # type: ignore[assignment]
-                    else:
-                        self.start_transfer(t, transfer)
-                    i += 1
-                    continue
-                elif kind is k_recv:
-                    key = (instr.value, instr.grad, instr.mb, instr.peer, r)
-                    got = arrivals.get(key)
-                    if got is None:
-                        recv_waiters[key] = r
-                        break
-                    st[i] = t
-                    arrival = got[0]
-                    if slowdowns is not None and slowdowns[r] != 1.0 and key in began:
-                        arrival = self.landing(r, i, began.pop(key), arrival, got)
-                    if arrival > t:
-                        t = arrival + (wake[r] if wake is not None else 0.0)
-                        waited_on[(r, i)] = (got[1], got[2])
-                    en[i] = t
-                    i += 1
-                    continue
-                elif kind is k_bwd_input:
-                    d = bwd_input[r][instr.stage]  # type: ignore[index]
-                elif kind is k_bwd_weight:
-                    d = bwd_weight[r][instr.stage]  # type: ignore[index]
-                elif kind is k_step:
-                    d = step_s[r]
-                elif kind is k_reduce:
-                    reduced = parked_key[r]
-                    if reduced is None:
-                        if t > now:
-                            if heap and heap[0][0] < t:
-                                heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
-                                break
-                            now = t
-                        reduced = self.arrive(r, i, t, instr, reduce_seen[r])
-                    done = reduce_done.get(reduced)
-                    if done is None:
-                        parked_key[r] = reduced
-                        break
-                    parked_key[r] = None
-                    if (done[2], done[3]) != (r, i):
-                        waited_on[(r, i)] = (done[2], done[3])
-                    st[i], en[i] = t, done[1]
-                    if done[1] > t and wake is not None:
-                        en[i] += wake[r]  # the rank blocked in the ring: it waits for a core to go on
-                    t = en[i]
-                    i += 1
-                    continue
-                else:
+            now, _, event, subject, version = heappop(heap)
+            if event == _RESUME:
+                state.now = now
+                advance(state, subject)
+            elif event == _FLOW_END:
+                flow_end(state, now, subject, version)
+            elif event == _FLOW_START:
+                self.flow_start(state, now, subject)
+            else:
+                self.core_end(state, now, subject, version)
+        self.check_finished(state.pc)
+        return self.result(state)
+
+    def advance(self, state: _RunState, r: int) -> None:
+        """Run rank `r` from where it stopped until it must wait: for a receive's data, for its allreduce's ring, for
+        its work on shared cores, or for the global clock where it would act on it (start a flow, a ring or shared
+        work) at a time when something else happens first. Compute needs no clock: the rank runs ahead on its own."""
+        instrs, fwd, bwd, bwd_input, bwd_weight, step_s, own_host, core_path, posts_of = self.of_rank[r]
+        st, en, replayed = state.starts[r], state.ends[r], state.replayed
+        i, t, limit, worked = state.pc[r], state.clock[r], len(instrs), 0.0
+        while i < limit:
+            instr = instrs[i]
+            kind = instr.kind
+            posts = posts_of.get(i)
+            if posts is not None:
+                self.post(state, r, i, t, posts)
+            # Compute kinds fall through to the common tail; the others finish their own entry. Kinds compare by
+            # identity: hashing an enum member runs Python code, too slow per instruction.
+            if kind is _FORWARD:
+                d = fwd[instr.stage]  # type: ignore[index]
+            elif kind is _BACKWARD:
+                d = bwd[instr.stage]  # type: ignore[index]
+            elif kind is _FREE or kind is _LOAD:
+                # Host work of the rank's own: timed only in a replay (a measured step's loads and frees).
+                d = replayed.get((r, i), 0.0) if replayed is not None else 0.0
+                if d <= 0.0:
                     st[i] = en[i] = t
                     i += 1
                     continue
-                if own_host is not None:
-                    d += own_host[i]
-                if replayed is not None:
-                    d = replayed.get((r, i), d)
-                if core_path is not None and d > 0:
-                    # On shared cores: the work starts on the global clock and ends when its share has done it.
-                    if t > now:
-                        if heap and heap[0][0] < t:
-                            heappush(heap, (t, self.next_ticket(), _RESUME, r, 0))
-                            break
-                        now = t
-                    assert cores is not None
-                    st[i] = t
-                    flow, moved = cores.start(t, core_path, d)
-                    computing[flow] = (r, i)
-                    for bundle, end, current in moved:
-                        heappush(heap, (end, self.next_ticket(), _CORE_END, bundle, current))
+            elif kind is _SEND:
+                if not self.on_global_clock(state, r, t):
                     break
-                st[i] = t
-                t += d
-                en[i] = t
-                worked += d
+                self.send(state, r, i, instr, t)
                 i += 1
-            pc[r], clock[r] = i, t
-            busy[r] += worked
-        self.check_finished(pc)
-        return self.result(starts, ends, busy, waited_on, held_by)
+                continue
+            elif kind is _RECV or kind is _ALLREDUCE:
+                # Both may block the rank: until the data is in, or the ring has ended; each sets its own end.
+                if not (self.receive if kind is _RECV else self.allreduce)(state, r, i, instr, t):
+                    break
+                t = en[i]
+                i += 1
+                continue
+            elif kind is _BACKWARD_INPUT:
+                d = bwd_input[instr.stage]  # type: ignore[index]
+            elif kind is _BACKWARD_WEIGHT:
+                d = bwd_weight[instr.stage]  # type: ignore[index]
+            elif kind is _OPTIMIZER_STEP:
+                d = step_s
+            else:
+                st[i] = en[i] = t
+                i += 1
+                continue
+            if own_host is not None:
+                d += own_host[i]
+            if replayed is not None:
+                d = replayed.get((r, i), d)
+            if core_path is not None and d > 0:
+                if self.on_global_clock(state, r, t):
+                    self.share_cores(state, r, i, t, d, core_path)
+                break
+            st[i] = t
+            t += d
+            en[i] = t
+            worked += d
+            i += 1
+        state.pc[r], state.clock[r] = i, t
+        state.busy[r] += worked
 
-    def next_ticket(self) -> int:
-        """A tie-breaker for events at the same time: first pushed, first run."""
-        self.ticket += 1
-        return self.ticket
+    def on_global_clock(self, state: _RunState, r: int, t: float) -> bool:
+        """Whether rank `r` may act on the global clock at its own time `t` (a flow, a ring or work on shared cores
+        starts there): yes, the clock moved on to `t`, where nothing else happens first; else it waits in the queue
+        for `t`."""
+        if t <= state.now:
+            return True
+        heap = state.heap
+        if heap and heap[0][0] < t:
+            self.push(state, t, _RESUME, r)
+            return False
+        state.now = t
+        return True
 
-    def push(self, time: float, event: int, subject: int, version: int = 0) -> None:
-        heapq.heappush(self.heap, (time, self.next_ticket(), event, subject, version))
+    def post(self, state: _RunState, r: int, i: int, t: float, posts: list[tuple]) -> None:  # type: ignore[type-arg]
+        """Post the receives of rank `r` that go before its instruction `i`, at `t` (once: a rank parked there comes
+        back to it). A send already issued for one starts its bytes when the ready notice reaches it."""
+        posted = state.posted
+        for post in posts:
+            if post in posted:
+                continue
+            posted[post] = (t, i)
+            waiting = state.unposted.pop(post, None)
+            if waiting is not None:
+                self.defer(state, t + waiting.notice, waiting)
+                if i > 0:  # the transfer waited for what this rank ran before posting
+                    state.held_by[(waiting.src, waiting.index)] = (r, i - 1)
 
-    def reschedule(self, moved: list[Reschedule]) -> None:
+    def send(self, state: _RunState, r: int, i: int, instr: Instr, t: float) -> None:
+        """Issue instruction `i` of rank `r`, a send, at `t` (the global clock): its bytes flow once the receive is
+        posted and the ready notice is back."""
+        value, peer = instr.value, instr.peer
+        route = self.routes.get((value, r, peer, instr.rows))  # type: ignore[arg-type]
+        if route is None:
+            route = self.route(state, value, r, peer, instr.rows)  # type: ignore[arg-type]
+        nbytes, path, latency = route
+        # Pieces of one value (split stages) reach one rank from several: the sender is in the key.
+        key: tuple = (value, instr.grad, instr.mb, r, peer)  # type: ignore[type-arg]
+        state.starts[r][i] = t
+        replayed = state.replayed
+        timed = replayed.get((r, i)) if replayed is not None else None
+        if timed is None:
+            transfer = _Transfer(key, r, i, nbytes, path, latency, latency)
+        else:  # measured: arrives `timed` after the later of now and the post, on no link
+            transfer = _Transfer(key, r, i, nbytes, (), timed, 0.0, measured=True)
+        posted = state.posted.get(key)
+        if nbytes <= 0:
+            self.start_transfer(state, t, transfer)  # nothing moves, nothing to wait for
+        elif posted is None:
+            state.unposted[key] = transfer
+        elif posted[0] + transfer.notice > t:
+            self.defer(state, posted[0] + transfer.notice, transfer)
+            if posted[1] > 0:
+                state.held_by[(r, i)] = (peer, posted[1] - 1)  # type: ignore[assignment]
+        else:
+            self.start_transfer(state, t, transfer)
+
+    def receive(self, state: _RunState, r: int, i: int, instr: Instr, t: float) -> bool:
+        """Instruction `i` of rank `r`, a receive, reached at `t`: False where its data has not arrived (the rank
+        waits for it), else True and its start and end are set."""
+        key = (instr.value, instr.grad, instr.mb, instr.peer, r)
+        got = state.arrivals.get(key)
+        if got is None:
+            state.recv_waiters[key] = r
+            return False
+        state.starts[r][i] = t
+        arrival = got[0]
+        slowdowns, began = self.slowdowns, state.began
+        if slowdowns is not None and slowdowns[r] != 1.0 and key in began:
+            arrival = self.landing(state, r, i, began.pop(key), arrival, got)
+        if arrival > t:
+            t = arrival + (self.wake[r] if self.wake is not None else 0.0)
+            state.waited_on[(r, i)] = (got[1], got[2])
+        state.ends[r][i] = t
+        return True
+
+    def allreduce(self, state: _RunState, r: int, i: int, instr: Instr, t: float) -> bool:
+        """Instruction `i` of rank `r`, an allreduce, reached at `t`: False where its ring has not ended (the rank
+        waits for it; the last member to arrive starts it), else True and its start and end are set."""
+        reduced = state.parked_key[r]
+        if reduced is None:
+            if not self.on_global_clock(state, r, t):
+                return False
+            reduced = self.arrive(state, r, i, t, instr)
+        done = state.reduce_done.get(reduced)
+        if done is None:
+            state.parked_key[r] = reduced
+            return False
+        state.parked_key[r] = None
+        if (done[2], done[3]) != (r, i):
+            state.waited_on[(r, i)] = (done[2], done[3])
+        end = done[1]
+        if end > t and self.wake is not None:
+            end += self.wake[r]  # the rank blocked in the ring: it waits for a core to go on
+        state.starts[r][i], state.ends[r][i] = t, end
+        return True
+
+    def share_cores(self, state: _RunState, r: int, i: int, t: float, d: float, core_path: tuple[int, int]) -> None:
+        """Start instruction `i` of rank `r`, `d` seconds of work on shared cores, at `t` (the global clock): it ends
+        when its share has done it (`core_end`)."""
+        assert state.cores is not None
+        state.starts[r][i] = t
+        flow, moved = state.cores.start(t, core_path, d)
+        state.computing[flow] = (r, i)
+        for bundle, end, current in moved:
+            self.push(state, end, _CORE_END, bundle, current)
+
+    # ------------------------------------------------------------------------------------ events
+
+    def flow_end(self, state: _RunState, now: float, bundle: int, version: int) -> None:
+        """The first flows of a bundle over one path may be through at `now` (unless the bundle's rates changed)."""
+        sharing = state.sharing
+        if not sharing.is_current(bundle, version):
+            return
+        through, moved = sharing.finish(now, bundle)
+        self.reschedule(state, moved)
+        owners = state.owners
+        for flow in through:
+            self.flow_ended(state, owners.pop(flow), now)
+
+    def flow_start(self, state: _RunState, now: float, ticket: int) -> None:
+        """A deferred transfer's ready notice reaches its sender at `now`: its bytes start once the sender answers."""
+        transfer = state.deferred.pop(ticket)
+        answered = self.answered_s(state, transfer, now)
+        if answered > now:
+            self.defer(state, answered, replace(transfer, answered=True))
+        else:
+            self.start_transfer(state, now, transfer)
+
+    def core_end(self, state: _RunState, now: float, bundle: int, version: int) -> None:
+        """The first computations of a bundle on shared cores may be done at `now`: their ranks go on from there."""
+        cores = state.cores
+        assert cores is not None
+        if not cores.is_current(bundle, version):
+            return
+        through, moved = cores.finish(now, bundle)
+        for moved_bundle, end, current in moved:
+            self.push(state, end, _CORE_END, moved_bundle, current)
+        for flow in through:
+            rank, index = state.computing.pop(flow)
+            state.ends[rank][index] = now
+            state.busy[rank] += now - state.starts[rank][index]
+            state.pc[rank], state.clock[rank] = index + 1, now
+            self.push(state, now, _RESUME, rank)
+
+    def push(self, state: _RunState, time: float, event: int, subject: int, version: int = 0) -> None:
+        """Queue an event; a ticket breaks ties between events at the same time: first pushed, first run."""
+        state.ticket += 1
+        heapq.heappush(state.heap, (time, state.ticket, event, subject, version))
+
+    def reschedule(self, state: _RunState, moved: list[Reschedule]) -> None:
         for bundle, end, version in moved:
-            self.push(end, _FLOW_END, bundle, version)
+            self.push(state, end, _FLOW_END, bundle, version)
 
-    def defer(self, start: float, transfer: _Transfer) -> None:
+    def defer(self, state: _RunState, start: float, transfer: _Transfer) -> None:
         """Start `transfer` at `start`, when the receiver's ready notice reaches its sender."""
-        ticket = self.next_ticket()
-        self.deferred[ticket] = transfer
-        heapq.heappush(self.heap, (start, ticket, _FLOW_START, ticket, 0))
+        state.ticket += 1
+        state.deferred[state.ticket] = transfer
+        heapq.heappush(state.heap, (start, state.ticket, _FLOW_START, state.ticket, 0))
 
-    def answered_s(self, transfer: _Transfer, now: float) -> float:
+    def answered_s(self, state: _RunState, transfer: _Transfer, now: float) -> float:
         """When the sender's transport answers the ready notice of a transfer whose send was issued before its
         receive was posted, the notice reaching the sender at `now`. Where the sender's device slows a busy rank's
         transfers (`busy_receive_slowdown` above 1: the transport's thread shares the rank's core), once the
@@ -804,31 +911,31 @@ class _Simulator:
         if slowdowns is None or slowdowns[transfer.src] == 1.0 or transfer.answered or transfer.measured:
             return now
         src, instrs = transfer.src, self.module.programs[transfer.src].instrs
-        st, en = self.starts[src], self.ends[src]
-        for j in range(transfer.index + 1, self.pc[src]):
+        st, en = state.starts[src], state.ends[src]
+        for j in range(transfer.index + 1, state.pc[src]):
             if st[j] > now:
                 break
             if en[j] > now and instrs[j].kind in HOST_BUSY_KINDS:
                 return en[j]
         return now
 
-    def start_transfer(self, now: float, transfer: _Transfer) -> None:
+    def start_transfer(self, state: _RunState, now: float, transfer: _Transfer) -> None:
         """Its send has issued and its receive is posted: the bytes flow from `now` (nothing when there are none)."""
         if self.slowdowns is not None and transfer.nbytes > 0 and not transfer.measured:
-            self.began[transfer.key] = now
+            state.began[transfer.key] = now
         if transfer.nbytes > 0 and transfer.path:
-            flow, moved = self.sharing.start(now, transfer.path, transfer.nbytes)
-            self.owners[flow] = (transfer.key, transfer.src, transfer.index, transfer.latency)
-            self.reschedule(moved)
+            flow, moved = state.sharing.start(now, transfer.path, transfer.nbytes)
+            state.owners[flow] = (transfer.key, transfer.src, transfer.index, transfer.latency)
+            self.reschedule(state, moved)
         else:
             arrival = now + transfer.latency if transfer.nbytes > 0 else now
-            self.arrive_at(arrival, transfer.key, transfer.src, transfer.index)
+            self.arrive_at(state, arrival, transfer.key, transfer.src, transfer.index)
 
-    def landing(self, rank: int, index: int, began: float, arrival: float, got: tuple) -> float:  # type: ignore[type-arg]
+    def landing(self, state: _RunState, rank: int, index: int, began: float, arrival: float, got: tuple) -> float:  # type: ignore[type-arg]
         """When a transfer into `rank`, which has reached its receive (instruction `index`), lands: its
         bytes took `arrival - began` on the links, and move `busy_receive_slowdown` times slower during the
         receiver's own work since `began` (`HOST_BUSY_KINDS`, `_landing`). The send's end moves with it."""
-        instrs, st, en = self.module.programs[rank].instrs, self.starts[rank], self.ends[rank]
+        instrs, st, en = self.module.programs[rank].instrs, state.starts[rank], state.ends[rank]
         busy = []
         for j in range(index - 1, -1, -1):
             if instrs[j].kind in HOST_BUSY_KINDS and en[j] > began:
@@ -837,35 +944,36 @@ class _Simulator:
                 break
         busy.reverse()
         landed = _landing(began, arrival - began, busy, self.slowdowns[rank])  # type: ignore[index]
-        self.ends[got[1]][got[2]] = landed
+        state.ends[got[1]][got[2]] = landed
         return landed
 
-    def arrive_at(self, arrival: float, key: tuple, src: int, index: int) -> None:  # type: ignore[type-arg]
-        self.arrivals[key] = (arrival, src, index)
-        self.ends[src][index] = arrival
-        waiter = self.recv_waiters.pop(key, None)
+    def arrive_at(self, state: _RunState, arrival: float, key: tuple, src: int, index: int) -> None:  # type: ignore[type-arg]
+        state.arrivals[key] = (arrival, src, index)
+        state.ends[src][index] = arrival
+        waiter = state.recv_waiters.pop(key, None)
         if waiter is not None:
-            self.push(arrival, _RESUME, waiter)
+            self.push(state, arrival, _RESUME, waiter)
 
-    def flow_ended(self, owner: tuple, now: float) -> None:  # type: ignore[type-arg]
+    def flow_ended(self, state: _RunState, owner: tuple, now: float) -> None:  # type: ignore[type-arg]
         """A send's bytes are through (its data arrives a latency later), or one step of a ring is."""
         if len(owner) == 1:
             key = owner[0]
-            left = self.pending[key]
+            left = state.pending[key]
             left[0] -= 1
             if left[0] == 0:
-                self.finish_reduce(key, now + left[1])
+                self.finish_reduce(state, key, now + left[1])
             return
         key, src, index, latency = owner
-        self.arrive_at(now + latency, key, src, index)
+        self.arrive_at(state, now + latency, key, src, index)
 
-    def arrive(self, rank: int, index: int, t: float, instr: Instr, seen: dict[tuple, int]) -> tuple:  # type: ignore[type-arg]
+    def arrive(self, state: _RunState, rank: int, index: int, t: float, instr: Instr) -> tuple:  # type: ignore[type-arg]
         """Register `rank` at an allreduce; the last member to arrive starts the ring."""
         what, nbytes = self.reduced(instr)
+        seen = state.reduce_seen[rank]
         occurrence = seen.get(what, 0)
         seen[what] = occurrence + 1
         key = (what, occurrence)
-        present = self.reduce_members.setdefault(key, [])
+        present = state.reduce_members.setdefault(key, [])
         present.append((t, rank, index))
         if len(present) < len(what[0]):
             return key
@@ -873,24 +981,24 @@ class _Simulator:
         # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links.
         latency = ring.latency_s(nbytes) + ring.host_s(nbytes)
         paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
-        paths = [p for p in paths if not self.sharing.is_free(p)]
+        paths = [p for p in paths if not state.sharing.is_free(p)]
         if not paths:
-            self.finish_reduce(key, t + latency)
+            self.finish_reduce(state, key, t + latency)
             return key
         per_step = ring.step_bytes(nbytes)
-        self.pending[key] = [len(paths), latency]
+        state.pending[key] = [len(paths), latency]
         for path in paths:
-            flow, moved = self.sharing.start(t, path, per_step)
-            self.owners[flow] = (key,)
-            self.reschedule(moved)
+            flow, moved = state.sharing.start(t, path, per_step)
+            state.owners[flow] = (key,)
+            self.reschedule(state, moved)
         return key
 
-    def finish_reduce(self, key: tuple, end: float) -> None:  # type: ignore[type-arg]
-        present = self.reduce_members.pop(key)
+    def finish_reduce(self, state: _RunState, key: tuple, end: float) -> None:  # type: ignore[type-arg]
+        present = state.reduce_members.pop(key)
         last = max(present)
-        self.reduce_done[key] = (last[0], end, last[1], last[2])
+        state.reduce_done[key] = (last[0], end, last[1], last[2])
         for _t, member, _i in present:
-            self.push(end, _RESUME, member)
+            self.push(state, end, _RESUME, member)
 
     def check_finished(self, pc: list[int]) -> None:
         programs = self.module.programs
@@ -909,20 +1017,14 @@ class _Simulator:
             + ("\n  ..." if len(lines) > 16 else "")
         )
 
-    def result(
-        self,
-        starts: list[list[float]],
-        ends: list[list[float]],
-        busy: list[float],
-        waited_on: dict[tuple[int, int], tuple[int, int]],
-        held_by: dict[tuple[int, int], tuple[int, int]],
-    ) -> SimulationResult:
+    def result(self, state: _RunState) -> SimulationResult:
+        starts, ends = state.starts, state.ends
         curves = [self.memory_curve(r, starts[r]) for r in range(len(starts))]
         iteration = max((max(e, default=0.0) for e in ends), default=0.0)
         info = self.network.links
         loads = [
             LinkLoad(info[k].name, info[k].bandwidth, carried)
-            for k, carried in enumerate(self.sharing.carried)
+            for k, carried in enumerate(state.sharing.carried)
             if carried > 0 and info[k].bandwidth < _INF
         ]
         loads.sort(key=lambda load: -load.busy_s)
@@ -930,9 +1032,9 @@ class _Simulator:
             module=self.module,
             cluster_name=self.cluster.name,
             iteration_s=iteration,
-            busy_s=busy,
+            busy_s=state.busy,
             peak_bytes=[max(b for _, b in curve) for curve in curves],
-            critical_path=_critical_path(ends, waited_on, held_by),
+            critical_path=_critical_path(ends, state.waited_on, state.held_by),
             starts=starts,
             ends=ends,
             memory=curves,
