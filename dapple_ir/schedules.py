@@ -166,16 +166,19 @@ def gpipe(request: ScheduleRequest) -> dict[int, list[Work]]:
     return {s: [Work(F, s, m) for m in mbs] + [Work(B, s, m) for m in mbs] for s in range(request.stages)}
 
 
-def _early_backward(
-    stage: int, stages: int, m: int, backward: Callable[[int], list[Work]], replicas: int = 1
-) -> list[Work]:
-    """min((S-s)·R, M) warm-up forwards, then one backward (`backward(mb)`) and one forward, then the drain.
+def warmups(request: ScheduleRequest) -> list[int]:
+    """Group-wide warm-up forwards of each stage under DAPPLE's early backward: each of a stage's R replicas
+    keeps S - s of its own microbatches in flight, so the stage warms up with (S - s) R of them, at most M, and
+    at most what the stage before it warms up with (more would wait for a forward the stage before runs only
+    after a backward that waits for this stage: a deadlock)."""
+    found: list[int] = []
+    for s, r in enumerate(request.replicas):
+        found.append(min((request.stages - s) * r, request.microbatches, found[-1] if found else request.microbatches))
+    return found
 
-    `replicas` is the replica count R every stage shares (1 when they differ): R replicas of each
-    stage are R independent pipelines over the microbatches m % R == j, and each needs S-s of its own
-    microbatches in flight, so the group-wide order warms up with (S-s)·R of them.
-    """
-    warmup = min((stages - stage) * replicas, m)
+
+def _early_backward(stage: int, warmup: int, m: int, backward: Callable[[int], list[Work]]) -> list[Work]:
+    """`warmup` forwards (`warmups`), then one backward (`backward(mb)`) and one forward, then the drain."""
     order = [Work(F, stage, mb) for mb in range(warmup)]
     for mb in range(warmup, m):
         order += [*backward(mb - warmup), Work(F, stage, mb)]
@@ -186,24 +189,26 @@ def _early_backward(
 
 @register_schedule("1f1b")
 def one_f_one_b(request: ScheduleRequest) -> dict[int, list[Work]]:
-    """DAPPLE's early backward: min(S-s, M) warm-up forwards, then one backward, one forward, then drain."""
+    """DAPPLE's early backward: min(S-s, M) warm-up forwards per replica (`warmups`), then one backward, one
+    forward, then drain."""
     orders: dict[int, list[Work]] = {}
+    warm = warmups(request)
     for s in range(request.stages):
 
         def backward(mb: int, s: int = s) -> list[Work]:
             return [Work(B, s, mb)]
 
-        orders[s] = _early_backward(s, request.stages, request.microbatches, backward, _uniform_replicas(request))
+        orders[s] = _early_backward(s, warm[s], request.microbatches, backward)
     return orders
 
 
 def _uniform_replicas(request: ScheduleRequest) -> int:
-    """The replica count all stages share, else 1 (uneven replication keeps the unreplicated warm-up)."""
+    """The replica count all stages share, else 1 (interleaved rounds of uneven replication hold P microbatches)."""
     counts = set(request.replicas)
     return counts.pop() if len(counts) == 1 else 1
 
 
-def _zb_order(stage: int, request: ScheduleRequest, defer: int, replicas: int = 1) -> list[Work]:
+def _zb_order(stage: int, request: ScheduleRequest, defer: int) -> list[Work]:
     pending: deque[int] = deque()
 
     def backward(mb: int) -> list[Work]:
@@ -213,7 +218,7 @@ def _zb_order(stage: int, request: ScheduleRequest, defer: int, replicas: int = 
             out.append(Work(BW, stage, pending.popleft()))
         return out
 
-    order = _early_backward(stage, request.stages, request.microbatches, backward, replicas)
+    order = _early_backward(stage, warmups(request)[stage], request.microbatches, backward)
     return order + [Work(BW, stage, mb) for mb in pending]
 
 
@@ -250,10 +255,10 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
     """
     ref = one_f_one_b(request)
     cap = max(_replica_peak(ref[s], request, s) for s in range(request.stages))
-    r = _uniform_replicas(request)
     orders: dict[int, list[Work]] = {}
     for s in range(request.stages):
-        fits = (_zb_order(s, request, d, r) for d in range(s * r, -1, -1))
+        r = request.replicas[s]
+        fits = (_zb_order(s, request, d) for d in range(s * r, -1, -1))
         orders[s] = next((o for o in fits if _replica_peak(o, request, s) <= cap), ref[s])
     return orders
 

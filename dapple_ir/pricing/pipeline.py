@@ -38,10 +38,10 @@ def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     """Microbatches whose activations a replica holds at once, and the forwards it runs before its first
     backward; `stages_after` counts itself. GPipe runs them all; 1F1B (and zb-h1) DAPPLE's early backward,
     min(S - s, M); interleaved holds twice that (its chunks' warm-up). Checked against the orders the schedules
-    build (`tests/test_pricing.py`): exact for gpipe and for 1f1b with one replica count everywhere; with uneven
-    replication 1f1b warms up as if unreplicated, so a replica holds fewer (the rule is then an upper bound on its
-    memory, and the pipeline recursion sees more overlap than the order gives); zb-h1 stays within 1f1b's
-    fullest rank."""
+    build (`tests/test_pricing.py`): exact for gpipe, and for 1f1b wherever each replica keeps S - s in flight
+    (`schedules.warmups`); where the stage before warms up with fewer, which more replicas after fewer can cause, a
+    replica holds fewer (the rule is then an upper bound on its memory, and the pipeline recursion sees more overlap
+    than the order gives); zb-h1 stays within 1f1b's fullest rank."""
     if schedule == "gpipe":
         return per_replica
     if schedule == "interleaved":
