@@ -31,7 +31,11 @@ from dapple_ir.pricing.traffic import cut_crossings, cut_s
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
 
+    from dapple_ir.cluster.spec import DeviceKind
+
 _MEMORY_UNIT = 1024.0
+#: The bound of the model's time variables, in its time unit.
+_BIG = 10**12
 
 #: Card-floor constraints (cut placement x card link, over the stage boundaries) the model takes at
 #: most; DAPPLE's 2x8 V100 cluster stays under it, a cluster of sixteen single-device nodes does not.
@@ -82,220 +86,328 @@ def solve_ilp(
     when CP-SAT did not close the gap."""
     from ortools.sat.python import cp_model
 
-    cluster = problem.cluster
-    n_dev, per_node, layers = cluster.num_devices, cluster.devices_per_node, problem.layers
-    if stages > layers or stages > n_dev:
+    if stages > problem.layers or stages > problem.cluster.num_devices:
         return None
-    m = microbatches
+    model = _Model(problem, stages, _prices(problem, microbatches, schedule), schedule)
+    if hint is not None and len(hint.stages) == stages:
+        model.hint(hint)
+    solver, status = _solve(model.md, time_limit_s)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return model.solution(solver, status == cp_model.OPTIMAL)
+
+
+@dataclass(frozen=True)
+class _Prices:
+    """The model's numbers for one microbatch count: per layer prefix (index k: layers 0..k-1) in whole time units
+    (`unit` seconds) or `_MEMORY_UNIT` bytes, and the shares the schedule gives them."""
+
+    microbatches: int
+    rows: int
+    """A microbatch's rows."""
+    unit: float
+    kind: DeviceKind
+    """The device kind whose host work, split backward and optimizer step the model prices (`_prices`)."""
+    zb: bool
+    """zb-h1: its backward split into input and weight passes."""
+    share_num: int
+    """`PATH_SHARE` of the schedule, in quarters."""
+    back_num: int
+    """`BACK_SHARE` of the schedule, in quarters."""
+    prefix: dict[str, list[int]]
+    """Per quantity, its prefix sums: f forward and b backward time, a activation and s static bytes, g gradient
+    bytes, p the split backward's price, o the optimizer step."""
+    cap: int
+    """A device's memory in `_MEMORY_UNIT`s."""
+    choices: list[int]
+    """The replica counts a stage may take."""
+
+
+def _prices(problem: Problem, microbatches: int, schedule: str) -> _Prices:
+    cluster, m = problem.cluster, microbatches
     b = problem.microbatch_size(m)
     times_f, times_b = problem.prefix_times(m)
     total = (times_f[-1] + times_b[-1]) * m + 1e-9
     unit = total / 1e8
-    share_num = round(PATH_SHARE.get(schedule, 1.0) * 4)
-    back_num = round(BACK_SHARE.get(schedule, 1.0) * 4)
     zb = schedule == "zb-h1"
     # What the model leaves out, priced again exactly in the plan's estimate: a parameter several layers read
     # counts once per layer (prefix sums), the tied parameters' own allreduces and the core floor are not in
     # it, and the host's work, a split backward and the optimizer step are priced on the cluster's slowest
     # kind (exact on clusters of one device kind).
     kind = max(cluster.node_kinds, key=lambda k: (k.instruction_overhead, k.message_overhead, -k.mem_bandwidth))
-    pf = _ints(times_f, unit)
-    pb = _ints(times_b, unit)
-    # zb-h1's split backward and the optimizer step, per layer prefix (both linear in what they read).
     splits = zip(problem.pw, problem.pwb, strict=True)
-    psplit = _ints([kind.split_s(ops, nbytes) if zb else 0.0 for ops, nbytes in splits], unit)
-    popt = _ints([optimizer_step_s(kind, v, problem.state_factor) for v in problem.pg], unit)
-    pa = _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT)
-    ps = _ints(problem.ps, _MEMORY_UNIT)
-    pg = [round(v) for v in problem.pg]
-    cap = int(problem.capacity(0) // _MEMORY_UNIT)
-    choices = [r for r in replica_choices(cluster) if r <= m]
+    prefix = {
+        "f": _ints(times_f, unit),
+        "b": _ints(times_b, unit),
+        "a": _ints([v * b / problem.cost_batch for v in problem.pa], _MEMORY_UNIT),
+        "s": _ints(problem.ps, _MEMORY_UNIT),
+        "g": [round(v) for v in problem.pg],
+        # zb-h1's split backward and the optimizer step (both linear in what they read).
+        "p": _ints([kind.split_s(ops, nbytes) if zb else 0.0 for ops, nbytes in splits], unit),
+        "o": _ints([optimizer_step_s(kind, v, problem.state_factor) for v in problem.pg], unit),
+    }
+    return _Prices(
+        microbatches=m,
+        rows=b,
+        unit=unit,
+        kind=kind,
+        zb=zb,
+        share_num=round(PATH_SHARE.get(schedule, 1.0) * 4),
+        back_num=round(BACK_SHARE.get(schedule, 1.0) * 4),
+        prefix=prefix,
+        cap=int(problem.capacity(0) // _MEMORY_UNIT),
+        choices=[r for r in replica_choices(cluster) if r <= m],
+    )
 
-    md = cp_model.CpModel()
-    big = 10**12
-    e = [md.new_constant(0)] + [md.new_int_var(s, layers - (stages - s), f"e{s}") for s in range(1, stages)]
-    e.append(md.new_constant(layers))
-    for s in range(stages):
-        md.add(e[s + 1] >= e[s] + 1)
 
-    def element(index: cp_model.IntVar, table: list[int], name: str) -> cp_model.IntVar:
-        var = md.new_int_var(min(table), max(table), name)
-        md.add_element(index, table, var)
-        return var
+@dataclass(frozen=True)
+class _Cards:
+    """What the card floor needs: each cut's transfers and times per placement, and the card links it watches."""
 
-    at = [
-        {
-            k: element(e[s], t, f"{k}{s}")
-            for k, t in (("f", pf), ("b", pb), ("a", pa), ("s", ps), ("g", pg), ("p", psplit), ("o", popt))
-        }
-        for s in range(stages + 1)
-    ]
-    onehot = [[md.new_bool_var(f"r{s}_{r}") for r in choices] for s in range(stages)]
-    reps = []
-    for s in range(stages):
-        md.add_exactly_one(onehot[s])
-        reps.append(sum(r * x for r, x in zip(choices, onehot[s], strict=True)))
-    md.add(sum(reps) <= n_dev)
-    first_node, last_node = [], []
-    for s in range(stages):
-        offset = sum(reps[:s]) if s else 0
-        start = md.new_int_var(0, n_dev - 1, f"d{s}")
-        md.add(start == offset)
-        end = md.new_int_var(0, n_dev - 1, f"z{s}")
-        md.add(end == offset + reps[s] - 1)
-        nf, nl = md.new_int_var(0, cluster.nodes, f"nf{s}"), md.new_int_var(0, cluster.nodes, f"nl{s}")
-        md.add_division_equality(nf, start, per_node)
-        md.add_division_equality(nl, end, per_node)
-        first_node.append(nf)
-        last_node.append(nl)
-    network = problem.network
+    cut_cards: dict[tuple, list]  # type: ignore[type-arg]
+    """(o, r, r2) -> [(card link, transfers)] (`_cut_cards`)."""
+    cut_times: dict[tuple, tuple]  # type: ignore[type-arg]
+    """(o, r, r2) -> (latency, seconds per byte x 2**16) (`_cut_times`)."""
+    floored: bool
+    """Whether the model holds the card floor (`FLOOR_TERMS`)."""
+    most: int
+    """The most transfers one cut puts on one card."""
+    cards: list[int]
+    """The card links the floor counts (none where it is left out)."""
+    coarse: int
+    """The floor's time unit, in the model's units."""
+    per_coarse: dict[int, int]
+    """Per card link: the bytes it moves in one coarse unit."""
+    cut_x: list[int]
+    """Bytes of one microbatch's cut after each layer prefix (0 for none)."""
+
+
+def _cards(problem: Problem, prices: _Prices, stages: int) -> _Cards:
+    network, n_dev, b, unit = problem.network, problem.cluster.num_devices, prices.rows, prices.unit
     # The cut after a stage on devices [o, o + r) into r2 replicas: its transfers on each card.
-    cut_cards = _cut_cards(network, choices, m, n_dev) if stages > 1 else {}
-    cut_times = _cut_times(network, choices, n_dev, b, unit) if stages > 1 else {}
+    cut_cards = _cut_cards(network, prices.choices, prices.microbatches, n_dev) if stages > 1 else {}
+    cut_times = _cut_times(network, prices.choices, n_dev, b, unit) if stages > 1 else {}
     # Past a size the card floor is left out (the model would not solve in time); the cost model
     # still counts it when it evaluates the plan found.
     floored = (stages - 1) * sum(len(on) for on in cut_cards.values()) <= FLOOR_TERMS
     most = max((k for on in cut_cards.values() for _link, k in on), default=0)
     cards = network.card_links if floored else []
-    # y[s][(o, r)]: stage s on devices [o, o + r).
-    places = [(o, r) for r in choices for o in range(n_dev - r + 1)]
-    y = [{(o, r): md.new_bool_var(f"y{s}_{o}_{r}") for o, r in places} for s in range(stages)]
-    for s in range(stages):
-        for r, x in zip(choices, onehot[s], strict=True):
-            md.add(sum(v for (o, rr), v in y[s].items() if rr == r) == x)
-        md.add(sum(o * v for (o, _r), v in y[s].items()) == (sum(reps[:s]) if s else 0))
     # Per card link and stage: the bytes its ring and its cut put on the card. They are compared with
     # the card's bandwidth in a coarser time unit, `coarse` units, chosen so that a card moves at
     # least 2**12 bytes in it: bytes stay exact and the numbers small (CP-SAT's presolve loses
     # solutions of this model when they grow past ~2**40).
-    card_load: dict[int, list[cp_model.LinearExprT]] = {link: [] for link in cards}
     slowest_card = min((network.links[link].bandwidth for link in cards), default=1.0)
     coarse = 2 ** max(0, math.ceil(math.log2(2**12 / (slowest_card * unit))))
     per_coarse = {link: round(network.links[link].bandwidth * unit * coarse) for link in cards}
-    cut_x = [0, *(round(problem.cut_bytes[j] * b / problem.batch) for j in range(layers))]
-    g_next = h_next = r_next = None
-    g0 = h0 = None
-    for s in range(stages - 1, -1, -1):
+    cut_x = [0, *(round(problem.cut_bytes[j] * b / problem.batch) for j in range(problem.layers))]
+    return _Cards(cut_cards, cut_times, floored, most, cards, coarse, per_coarse, cut_x)
+
+
+class _Model:
+    """The CP-SAT model of one (stage count, microbatch count): its variables, then per stage from the last to the
+    first its work, ring, cut and place in the recursion, then the objective."""
+
+    def __init__(self, problem: Problem, stages: int, prices: _Prices, schedule: str) -> None:
+        from ortools.sat.python import cp_model
+
+        self.problem, self.stages, self.prices, self.schedule = problem, stages, prices, schedule
+        self.md = md = cp_model.CpModel()
+        layers = problem.layers
+        e = [md.new_constant(0)] + [md.new_int_var(s, layers - (stages - s), f"e{s}") for s in range(1, stages)]
+        e.append(md.new_constant(layers))
+        for s in range(stages):
+            md.add(e[s + 1] >= e[s] + 1)
+        self.e = e
+        #: Per cut point, each prefix quantity of `_Prices.prefix` there.
+        self.at = [{k: self.element(e[s], t, f"{k}{s}") for k, t in prices.prefix.items()} for s in range(stages + 1)]
+        self.onehot = [[md.new_bool_var(f"r{s}_{r}") for r in prices.choices] for s in range(stages)]
+        self.reps = []
+        for s in range(stages):
+            md.add_exactly_one(self.onehot[s])
+            self.reps.append(sum(r * x for r, x in zip(prices.choices, self.onehot[s], strict=True)))
+        md.add(sum(self.reps) <= problem.cluster.num_devices)
+        self.nodes()
+        self.cards = _cards(problem, prices, stages)
+        self.y = self.placements()
+        self.card_load: dict[int, list[cp_model.LinearExprT]] = {link: [] for link in self.cards.cards}
+        after: tuple[cp_model.IntVar, ...] | None = None
+        for s in range(stages - 1, -1, -1):
+            after = self.stage(s, after)
+        assert after is not None
+        self.objective(after[0], after[1])
+
+    def element(self, index: cp_model.IntVar, table: list[int], name: str) -> cp_model.IntVar:
+        var = self.md.new_int_var(min(table), max(table), name)
+        self.md.add_element(index, table, var)
+        return var
+
+    def nodes(self) -> None:
+        """The node of each stage's first and last device (its devices start where the stages before it end)."""
+        md, cluster = self.md, self.problem.cluster
+        n_dev = cluster.num_devices
+        for s in range(self.stages):
+            offset = sum(self.reps[:s]) if s else 0
+            start = md.new_int_var(0, n_dev - 1, f"d{s}")
+            md.add(start == offset)
+            end = md.new_int_var(0, n_dev - 1, f"z{s}")
+            md.add(end == offset + self.reps[s] - 1)
+            nf, nl = md.new_int_var(0, cluster.nodes, f"nf{s}"), md.new_int_var(0, cluster.nodes, f"nl{s}")
+            md.add_division_equality(nf, start, cluster.devices_per_node)
+            md.add_division_equality(nl, end, cluster.devices_per_node)
+
+    def placements(self) -> list[dict[tuple[int, int], cp_model.IntVar]]:
+        """y[s][(o, r)]: stage s on devices [o, o + r), one-hot and consistent with its replica count and offset."""
+        md, choices, n_dev = self.md, self.prices.choices, self.problem.cluster.num_devices
+        places = [(o, r) for r in choices for o in range(n_dev - r + 1)]
+        y = [{(o, r): md.new_bool_var(f"y{s}_{o}_{r}") for o, r in places} for s in range(self.stages)]
+        for s in range(self.stages):
+            for r, x in zip(choices, self.onehot[s], strict=True):
+                md.add(sum(v for (o, rr), v in y[s].items() if rr == r) == x)
+            md.add(sum(o * v for (o, _r), v in y[s].items()) == (sum(self.reps[:s]) if s else 0))
+        return y
+
+    def stage(self, s: int, after: tuple[cp_model.IntVar, ...] | None) -> tuple[cp_model.IntVar, ...]:
+        """Stage s's part of the recursion, given the next stage's (G, H, R) in `after` (None for the last): its own
+        (G, H, R)."""
+        f, bw, busy, ar = self.work(s)
+        c, late = self.cut(s, f)
+        md, prices = self.md, self.prices
+        g, h = md.new_int_var(0, _BIG, f"G{s}"), md.new_int_var(-_BIG, _BIG, f"H{s}")
+        trip = md.new_int_var(0, 4 * _BIG, f"R{s}")
+        md.add(g >= busy)
+        md.add(h >= ar)
+        if after is None:
+            md.add(4 * trip >= 4 * f + prices.back_num * bw)
+            return g, h, trip
+        g_next, h_next, r_next = after
+        md.add(4 * g >= prices.share_num * (f + bw) + 8 * c + 4 * late + 4 * g_next)
+        md.add(h >= h_next - bw - c)
+        back = md.new_int_var(0, 4 * _BIG, f"trip{s}")
+        md.add(back == 2 * c + late + r_next)
+        counts = (prices.microbatches, self.stages - s)
+        _stall(md, self.schedule, (f, bw, busy, g, trip), back, (prices.choices, self.onehot[s]), counts)
+        return g, h, trip
+
+    def work(self, s: int) -> tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]:
+        """Stage s's forward F and backward B per microbatch, its busy time and its allreduce AR (the ring's part
+        where its placement has one, `ring`), with its memory at each replica count under the device's."""
+        md, prices, at, stages = self.md, self.prices, self.at, self.stages
         # The host's work per instruction and message, as `cost_model.stage_price` adds it.
         messages = (s > 0) + (s < stages - 1)
-        host_f = round(host_work_s(kind, 1, messages) / unit)
-        host_b = round(host_work_s(kind, 1 + zb, messages) / unit)
-        f = md.new_int_var(0, big, f"F{s}")
+        host_f = round(host_work_s(prices.kind, 1, messages) / prices.unit)
+        host_b = round(host_work_s(prices.kind, 1 + prices.zb, messages) / prices.unit)
+        f = md.new_int_var(0, _BIG, f"F{s}")
         md.add(f == at[s + 1]["f"] - at[s]["f"] + host_f)
-        bw = md.new_int_var(0, big, f"B{s}")
-        split_b = at[s + 1]["p"] - at[s]["p"] if zb and s > 0 else 0
+        bw = md.new_int_var(0, _BIG, f"B{s}")
+        split_b = at[s + 1]["p"] - at[s]["p"] if prices.zb and s > 0 else 0
         md.add(bw == at[s + 1]["b"] - at[s]["b"] + host_b + split_b)
         step = at[s + 1]["o"] - at[s]["o"]
-        grads = md.new_int_var(0, max(pg), f"W{s}")
+        grads = md.new_int_var(0, max(prices.prefix["g"]), f"W{s}")
         md.add(grads == at[s + 1]["g"] - at[s]["g"])
         static = at[s + 1]["s"] - at[s]["s"]
         act = at[s + 1]["a"] - at[s]["a"]
-        busy, ar = md.new_int_var(0, big, f"busy{s}"), md.new_int_var(0, big, f"ar{s}")
+        busy, ar = md.new_int_var(0, _BIG, f"busy{s}"), md.new_int_var(0, _BIG, f"ar{s}")
         md.add(ar >= step)
-        for r, x in zip(choices, onehot[s], strict=True):
-            per = -(-m // r)
+        for r, x in zip(prices.choices, self.onehot[s], strict=True):
+            per = -(-prices.microbatches // r)
             md.add(busy >= per * (f + bw)).only_enforce_if(x)
-            md.add(static + in_flight(schedule, stages - s, per) * act <= cap).only_enforce_if(x)
-        # Per card link: the bytes of this stage's ring on it, at its placement.
+            md.add(static + in_flight(self.schedule, stages - s, per) * act <= prices.cap).only_enforce_if(x)
+        self.ring(s, ar, grads, step)
+        return f, bw, busy, ar
+
+    def ring(self, s: int, ar: cp_model.IntVar, grads: cp_model.IntVar, step: cp_model.LinearExpr) -> None:
+        """Stage s's allreduce at each placement with replicas (after its optimizer `step`), and the bytes its ring
+        puts on each card link there."""
+        md, unit, most_grads = self.md, self.prices.unit, max(self.prices.prefix["g"])
         rings: dict[int, cp_model.IntVar] = {}
-        for (o, r), place in y[s].items():
+        for (o, r), place in self.y[s].items():
             if r == 1:
                 continue
-            ring = problem.ring(range(o, o + r))
+            ring = self.problem.ring(range(o, o + r))
             coef = round(ring.per_byte_s / unit * 2**16)
             lat = round(ring.fixed_s / unit)
             md.add(ar * 2**16 >= coef * grads + (lat + step) * 2**16).only_enforce_if(place)
             for link, k in ring.crossings.items():
-                if link in card_load:
+                if link in self.card_load:
                     if link not in rings:
-                        rings[link] = md.new_int_var(0, 2 * k * max(pg), f"ring{s}_{link}")
-                        card_load[link].append(rings[link])
+                        rings[link] = md.new_int_var(0, 2 * k * most_grads, f"ring{s}_{link}")
+                        self.card_load[link].append(rings[link])
                     # k steps of 2(r-1)/r of the gradients each, in whole bytes.
                     md.add(r * rings[link] >= 2 * (r - 1) * k * grads).only_enforce_if(place)
-        x_s = element(e[s + 1], cut_x, f"x{s}") if s < stages - 1 else None
-        if cards and x_s is not None:
-            _cut_loads(
-                md,
-                card_load,
-                cut_cards,
-                y[s],
-                dict(zip(choices, onehot[s + 1], strict=True)),
-                (x_s, most * max(cut_x)),
-                s,
-            )
-        # c: the cut's transfer at this stage's placement and the next stage's replica count (which
-        # starts where this one ends), sharing links as `cost_model.cut_transfer_s` says; `late`: how
-        # much later the next stage's last round-robin replica starts (`cost_model.stagger_s`).
-        c = md.new_int_var(0, big, f"c{s}")
-        late = md.new_int_var(0, big, f"late{s}")
-        if x_s is not None:
-            nexts = dict(zip(choices, onehot[s + 1], strict=True))
-            # A cut that carries no bytes costs nothing, not even a latency (as the cost model has it). c is
-            # pinned (rounded up), not just bounded: a longer c would shorten the unhidden allreduce H.
-            carries = md.new_bool_var(f"carries{s}")
-            md.add(x_s >= 1).only_enforce_if(carries)
-            md.add(x_s == 0).only_enforce_if(carries.negated())
-            md.add(c == 0).only_enforce_if(carries.negated())
-            for (o, r), place in y[s].items():
-                for r2, nxt in nexts.items():
-                    lat, coef = cut_times.get((o, r, r2), (0, 0))
-                    if coef == 0:
-                        md.add(c == 0).only_enforce_if([place, nxt])
-                        continue
-                    exact = lat * 2**16 + coef * x_s
-                    md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
-                    md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
-            for r, here in zip(choices, onehot[s], strict=True):
-                for r2, nxt in nexts.items():
-                    md.add(late == round(stagger_s(1.0, r, False, r2, False, m)) * f).only_enforce_if([here, nxt])
-        else:
+
+    def cut(self, s: int, f: cp_model.IntVar) -> tuple[cp_model.IntVar, cp_model.IntVar]:
+        """c: the cut's transfer after stage s at its placement and the next stage's replica count (which starts
+        where this one ends), sharing links as `cost_model.cut_transfer_s` says; `late`: how much later the next
+        stage's last round-robin replica starts (`cost_model.stagger_s`). Both 0 after the last stage."""
+        md, cards, choices = self.md, self.cards, self.prices.choices
+        x_s = self.element(self.e[s + 1], cards.cut_x, f"x{s}") if s < self.stages - 1 else None
+        nexts = dict(zip(choices, self.onehot[s + 1], strict=True)) if x_s is not None else {}
+        if cards.cards and x_s is not None:
+            cut = (x_s, cards.most * max(cards.cut_x))
+            _cut_loads(md, self.card_load, cards.cut_cards, self.y[s], nexts, cut, s)
+        c = md.new_int_var(0, _BIG, f"c{s}")
+        late = md.new_int_var(0, _BIG, f"late{s}")
+        if x_s is None:
             md.add(c == 0)
             md.add(late == 0)
-        g, h = md.new_int_var(0, big, f"G{s}"), md.new_int_var(-big, big, f"H{s}")
-        trip = md.new_int_var(0, 4 * big, f"R{s}")
-        md.add(g >= busy)
-        md.add(h >= ar)
-        if g_next is None or h_next is None or r_next is None:
-            md.add(4 * trip >= 4 * f + back_num * bw)
-        else:
-            md.add(4 * g >= share_num * (f + bw) + 8 * c + 4 * late + 4 * g_next)
-            md.add(h >= h_next - bw - c)
-            after = md.new_int_var(0, 4 * big, f"trip{s}")
-            md.add(after == 2 * c + late + r_next)
-            _stall(md, schedule, (f, bw, busy, g, trip), after, (choices, onehot[s]), (m, stages - s))
-        g_next, h_next, r_next, g0, h0 = g, h, trip, g, h
-    assert g0 is not None and h0 is not None
-    t = md.new_int_var(0, 4 * big, "T")
-    md.add(t >= g0)
-    md.add(t >= g0 + h0)
-    if any(card_load.values()):
-        floor = md.new_int_var(0, 4 * big // coarse + 1, "floor")
-        md.add(t >= coarse * floor)
-        for link, terms in card_load.items():
-            if terms:
-                md.add(floor * per_coarse[link] >= sum(terms))
-    md.minimize(t)
-    if hint is not None and len(hint.stages) == stages:
-        for s in range(1, stages):
-            md.add_hint(e[s], hint.stages[s].lo)
+            return c, late
+        # A cut that carries no bytes costs nothing, not even a latency (as the cost model has it). c is
+        # pinned (rounded up), not just bounded: a longer c would shorten the unhidden allreduce H.
+        carries = md.new_bool_var(f"carries{s}")
+        md.add(x_s >= 1).only_enforce_if(carries)
+        md.add(x_s == 0).only_enforce_if(carries.negated())
+        md.add(c == 0).only_enforce_if(carries.negated())
+        for (o, r), place in self.y[s].items():
+            for r2, nxt in nexts.items():
+                lat, coef = cards.cut_times.get((o, r, r2), (0, 0))
+                if coef == 0:
+                    md.add(c == 0).only_enforce_if([place, nxt])
+                    continue
+                exact = lat * 2**16 + coef * x_s
+                md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
+                md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
+        for r, here in zip(choices, self.onehot[s], strict=True):
+            for r2, nxt in nexts.items():
+                stagger = round(stagger_s(1.0, r, False, r2, False, self.prices.microbatches))
+                md.add(late == stagger * f).only_enforce_if([here, nxt])
+        return c, late
+
+    def objective(self, g0: cp_model.IntVar, h0: cp_model.IntVar) -> None:
+        """Minimise T: the first stage's G, plus its unhidden allreduce H, and no less than the card floor."""
+        md, coarse = self.md, self.cards.coarse
+        t = md.new_int_var(0, 4 * _BIG, "T")
+        md.add(t >= g0)
+        md.add(t >= g0 + h0)
+        if any(self.card_load.values()):
+            floor = md.new_int_var(0, 4 * _BIG // coarse + 1, "floor")
+            md.add(t >= coarse * floor)
+            for link, terms in self.card_load.items():
+                if terms:
+                    md.add(floor * self.cards.per_coarse[link] >= sum(terms))
+        md.minimize(t)
+
+    def hint(self, hint: Candidate) -> None:
+        """Start the search from `hint`'s cuts and replica counts."""
+        for s in range(1, self.stages):
+            self.md.add_hint(self.e[s], hint.stages[s].lo)
         for s, st in enumerate(hint.stages):
-            for r, x in zip(choices, onehot[s], strict=True):
-                md.add_hint(x, r == st.replicas)
-    solver, status = _solve(md, time_limit_s)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    bounds = [solver.value(x) for x in e]
-    replicas = [choices[[solver.value(x) for x in row].index(1)] for row in onehot]
-    cand = candidate(problem, bounds, replicas, m, schedule, "append-first", "ilp")
-    if cand is None:
-        return None
-    value, bound = solver.objective_value, solver.best_objective_bound
-    solved = status == cp_model.OPTIMAL
-    gap = 0.0 if solved or value <= 0 else (value - bound) / value
-    estimate = evaluate(problem, cand)
-    optimal = solved and floored
-    bound_s = estimate.iteration_s if optimal else max(0.0, bound * unit)
-    return IlpSolution(cand, estimate, optimal, bound_s, gap, floored)
+            for r, x in zip(self.prices.choices, self.onehot[s], strict=True):
+                self.md.add_hint(x, r == st.replicas)
+
+    def solution(self, solver: cp_model.CpSolver, solved: bool) -> IlpSolution | None:
+        """The plan `solver` found (`solved`: proven optimal), priced again by the cost model."""
+        problem, prices = self.problem, self.prices
+        bounds = [solver.value(x) for x in self.e]
+        replicas = [prices.choices[[solver.value(x) for x in row].index(1)] for row in self.onehot]
+        cand = candidate(problem, bounds, replicas, prices.microbatches, self.schedule, "append-first", "ilp")
+        if cand is None:
+            return None
+        value, bound = solver.objective_value, solver.best_objective_bound
+        gap = 0.0 if solved or value <= 0 else (value - bound) / value
+        estimate = evaluate(problem, cand)
+        optimal = solved and self.cards.floored
+        bound_s = estimate.iteration_s if optimal else max(0.0, bound * prices.unit)
+        return IlpSolution(cand, estimate, optimal, bound_s, gap, self.cards.floored)
 
 
 def _solve(md: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
