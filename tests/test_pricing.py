@@ -279,3 +279,35 @@ def test_in_flight_is_what_the_schedules_order_holds(
             assert held == rule
         else:
             assert held <= rule
+
+
+def test_zero_one_is_priced_alike_by_the_cost_model_and_the_simulator() -> None:
+    """A ZeRO-1 stage's reduce-scatter, shard step and all-gather: the simulator runs the two halves of the ring and
+    steps 1/R of the stage's parameters, as `Problem.gradient_tail_s` prices them; its replicas hold less."""
+    import dataclasses
+
+    from dapple_ir.cluster.spec import parse_shorthand
+    from dapple_ir.frontend.profile_import import import_profile
+    from dapple_ir.pass_manager import PassManager, build_pipeline
+    from dapple_ir.passes.plan import lower_and_simulate
+    from dapple_ir.planner.cost_model import candidate, problem_from_module
+    from tests.paths import PROFILES
+
+    module = import_profile(str(PROFILES / "dapple-vgg-19-pbs-32.txt"))
+    module.attrs.optimizer = "adam"
+    PassManager(build_pipeline("coarsen")).run(module)
+    problem = problem_from_module(module, parse_shorthand("2x8xV100-16GB"), 512)
+    layers = problem.layers
+    for replicas, bounds in (([16], [0, layers]), ([15, 1], [0, layers - 3, layers])):
+        plain = candidate(problem, bounds, replicas, 64, "1f1b", "append-first", "test")
+        assert plain is not None
+        sharded = dataclasses.replace(plain, zero=tuple(r > 1 for r in replicas))
+        times = {}
+        for cand in (plain, sharded):
+            estimate = evaluate(problem, cand)
+            simulated, peak = lower_and_simulate(module, problem, cand)
+            assert estimate.iteration_s == pytest.approx(simulated, rel=1e-6)
+            assert max(estimate.stage_peak_bytes) == pytest.approx(peak, rel=0.02)
+            times[cand.zero] = (simulated, peak)
+        (plain_s, plain_peak), (sharded_s, sharded_peak) = times[plain.zero], times[sharded.zero]
+        assert sharded_s < plain_s and sharded_peak < plain_peak

@@ -128,7 +128,7 @@ COMPUTE_STREAM_KINDS = COMPUTE_KINDS | {InstrKind.OPTIMIZER_STEP}
 HOST_BUSY_KINDS = COMPUTE_STREAM_KINDS | {InstrKind.LOAD_MICROBATCH, InstrKind.FREE}
 
 #: Instructions whose time is spent on the comm track.
-COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE})
+COMM_KINDS = frozenset({InstrKind.SEND, InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER})
 
 _INF = float("inf")
 
@@ -406,6 +406,8 @@ _SEND, _RECV, _ALLREDUCE, _OPTIMIZER_STEP, _FREE, _LOAD = (
     InstrKind.FREE,
     InstrKind.LOAD_MICROBATCH,
 )
+#: Group collectives: each blocks its members until its ring ends (ZeRO-1's two halves as the allreduce).
+_COLLECTIVES = frozenset({InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER})
 
 
 class _RankCosts(NamedTuple):
@@ -583,17 +585,21 @@ class _Simulator:
         kind = self.cluster.device(self.devices[rank])
         # Replicas host the same stages: `sizes` reads each distinct set once, not once per rank.
         param_bytes = self.sizes.param_bytes(self.hosted[rank])
+        # A sharded stage's replica steps 1/R of the parameters it shards (ZeRO-1), the tied ones whole.
+        for stage in self.hosted[rank]:
+            if stage.sharded:
+                param_bytes -= memory.shardable_param_bytes(self.module, stage) * (1.0 - 1.0 / stage.replicas)
         return optimizer_step_s(kind, param_bytes, memory.optimizer_state_factor(self.module.attrs.optimizer))
 
     def reduced(self, instr: Instr) -> tuple[tuple, float]:  # type: ignore[type-arg]
-        """(what is reduced over which group, bytes) of an allreduce."""
+        """(what is reduced over which group, and how, bytes) of an allreduce, reduce-scatter or all-gather."""
         assert instr.group is not None
         if instr.param is not None:
             target, nbytes = "param " + instr.param, float(self.module.param(instr.param).nbytes)
         else:
             assert instr.stage is not None
             target, nbytes = "stage " + instr.stage.name, self.stage_reduce_bytes(instr.stage)
-        return (tuple(sorted(instr.group)), target), nbytes
+        return (tuple(sorted(instr.group)), f"{instr.kind.value} {target}"), nbytes
 
     def stage_reduce_bytes(self, stage: Stage) -> float:
         """Gradient bytes a stage's replicas sum: its trainable parameters less the tied ones, which
@@ -706,7 +712,7 @@ class _Simulator:
                 self.send(state, r, i, instr, t)
                 i += 1
                 continue
-            elif kind is _RECV or kind is _ALLREDUCE:
+            elif kind is _RECV or kind in _COLLECTIVES:
                 # Both may block the rank: until the data is in, or the ring has ended; each sets its own end.
                 if not (self.receive if kind is _RECV else self.allreduce)(state, r, i, instr, t):
                     break
@@ -978,14 +984,18 @@ class _Simulator:
         if len(present) < len(what[0]):
             return key
         ring = ring_allreduce(self.network, [self.devices[m] for m in what[0]])
-        # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links.
-        latency = ring.latency_s(nbytes) + ring.host_s(nbytes)
+        # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links. A
+        # reduce-scatter or an all-gather is one half of the ring: half its rounds, (n-1)/n of the bytes a step.
+        if instr.kind is InstrKind.ALLREDUCE:
+            latency, per_step = ring.latency_s(nbytes) + ring.host_s(nbytes), ring.step_bytes(nbytes)
+        else:
+            latency, per_step = ring.latency_s(nbytes) / 2, ring.shard_step_bytes(nbytes)
+            latency += ring.host_s(nbytes) if instr.kind is InstrKind.REDUCE_SCATTER else 0.0
         paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
         paths = [p for p in paths if not state.sharing.is_free(p)]
         if not paths:
             self.finish_reduce(state, key, t + latency)
             return key
-        per_step = ring.step_bytes(nbytes)
         state.pending[key] = [len(paths), latency]
         for path in paths:
             flow, moved = state.sharing.start(t, path, per_step)
