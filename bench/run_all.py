@@ -72,6 +72,8 @@ BENCHES = (
     Bench("profile_accuracy", 25, (), (), json=False),
     Bench("simulator_speed", 30, ("--repeats", "3"), ("--repeats", "1"), json=False),
     Bench("planner", 45, (), ("--layers", "24"), json=False),
+    # Llama-2-7B captured once and planned three times (fp32, bf16, bf16 + ZeRO-1): about 80 s a plan on the dev VM.
+    Bench("mfu", 330, ("--budget", "250", "--cases", "7b"), ("--budget", "30", "--cases", "7b"), json=False),
 )
 
 

@@ -116,30 +116,9 @@ def compile(
     in; None: bf16 where the cluster's devices have a bf16 tensor-core rate, else fp32 (`default_precision`).
     `split_at` names the modules where a stage begins (torch.distributed.pipelining's split points): those
     cuts are fixed, and everything else is planned."""
-    if planner not in METHODS:
-        raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
-    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
-        raise PlanError(
-            f"global batch must be a positive integer of at most {MAX_GLOBAL_BATCH:,} samples per step, "
-            f"not {global_batch:,}"
-        )
-    for name, count in (("stages", stages), ("microbatches", microbatches)):
-        if count is not None and not 1 <= count <= global_batch:
-            raise PlanError(f"--{name} must lie between 1 and the global batch ({global_batch}), not {count:,}")
+    _check_request(planner, global_batch, stages, microbatches, precision, pipeline)
     if out_dir is not None:
         plan_dir.check_output(Path(out_dir), force=force)
-    if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
-        raise PlanError(
-            f"global batch {global_batch} is not divisible into {microbatches} microbatches; "
-            f"choose --microbatches among the divisors of {global_batch}"
-        )
-    if precision is not None:
-        check_precision(precision)
-    if precision is not None and pipeline is not None:
-        raise DappleError(
-            f"precision {precision} and a whole --pipeline were both given: write it into the pipeline's "
-            f"annotate-cost{{precision={precision}}} instead"
-        )
     module, spec_text = _load(model_spec, profile_batch, cluster)
     from dapple_ir.ir.structure import structure_hash
 
@@ -175,6 +154,39 @@ def compile(
     if out_dir is not None:
         write_plan_dir(result, Path(out_dir), runnable=not profile)
     return result
+
+
+def _check_request(
+    planner: str,
+    global_batch: int,
+    stages: int | None,
+    microbatches: int | None,
+    precision: str | None,
+    pipeline: str | None,
+) -> None:
+    """Refuse a compile request that cannot plan, before anything is captured."""
+    if planner not in METHODS:
+        raise DappleError(f"planner must be one of {', '.join(METHODS)}, not '{planner}'")
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"global batch must be a positive integer of at most {MAX_GLOBAL_BATCH:,} samples per step, "
+            f"not {global_batch:,}"
+        )
+    for name, count in (("stages", stages), ("microbatches", microbatches)):
+        if count is not None and not 1 <= count <= global_batch:
+            raise PlanError(f"--{name} must lie between 1 and the global batch ({global_batch}), not {count:,}")
+    if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
+        raise PlanError(
+            f"global batch {global_batch} is not divisible into {microbatches} microbatches; "
+            f"choose --microbatches among the divisors of {global_batch}"
+        )
+    if precision is not None:
+        check_precision(precision)
+    if precision is not None and pipeline is not None:
+        raise DappleError(
+            f"precision {precision} and a whole --pipeline were both given: write it into the pipeline's "
+            f"annotate-cost{{precision={precision}}} instead"
+        )
 
 
 def _precision(given: str | None, cluster: str, profile: bool) -> str:

@@ -185,18 +185,7 @@ class Runtime:
         self.recorded_grads: dict[int, dict[str, torch.Tensor]] = {}
         """With `record_grads`: the gradients the optimizer saw at step 0 (where a pipeline and one device start
         from the same parameters), keyed `stage/name`, by step."""
-        self.params = _params_on(stages, device)
-        self.shards = {
-            name: shard_stage(name, self._untied(name), group, rank) for name, group in sorted((zero or {}).items())
-        }
-        """The stages whose optimizer state this rank shards with their other replicas (ZeRO-1, `sharded_optimizer`)."""
-        in_shards = {id(p) for shard in self.shards.values() for p in shard.params}
-        self.stepped = [p for p in self.params if id(p) not in in_shards] + [s.master for s in self.shards.values()]
-        """What the optimizer steps: the unsharded parameters and this rank's shard of each sharded stage."""
-        # Parameters keep their storage for the whole run (the optimizer and checkpoint loading write in place).
-        self._param_storages = {s.data_ptr(): s.nbytes() for s in (p.untyped_storage() for p in self.params)}
-        # A stage of parameter-free ops (an activation, the loss) has nothing to step.
-        self.optimizer = make_optimizer(optimizer, self.stepped, lr) if self.stepped else None
+        self._start_optimizer(optimizer, lr, zero or {})
         self.step = 0
         self.values: dict[tuple[str, int], Any] = {}
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
@@ -214,6 +203,21 @@ class Runtime:
         self._current: tuple[str, int] | None = None
         self._step_losses: list[tuple[str, int, torch.Tensor]] = []
         self._start_measuring(meter_steps)
+
+    def _start_optimizer(self, optimizer: str, lr: float, zero: dict[str, tuple[int, ...]]) -> None:
+        """The parameters on the device, the stages this rank shards (ZeRO-1), and the optimizer over what it steps."""
+        self.params = _params_on(self.stages, self.device)
+        self.shards = {
+            name: shard_stage(name, self._untied(name), group, self.rank) for name, group in sorted(zero.items())
+        }
+        """The stages whose optimizer state this rank shards with their other replicas (ZeRO-1, `sharded_optimizer`)."""
+        in_shards = {id(p) for shard in self.shards.values() for p in shard.params}
+        self.stepped = [p for p in self.params if id(p) not in in_shards] + [s.master for s in self.shards.values()]
+        """What the optimizer steps: the unsharded parameters and this rank's shard of each sharded stage."""
+        # Parameters keep their storage for the whole run (the optimizer and checkpoint loading write in place).
+        self._param_storages = {s.data_ptr(): s.nbytes() for s in (p.untyped_storage() for p in self.params)}
+        # A stage of parameter-free ops (an activation, the loss) has nothing to step.
+        self.optimizer = make_optimizer(optimizer, self.stepped, lr) if self.stepped else None
 
     def _start_measuring(self, meter_steps: int | None) -> None:
         """What the rank measures as it runs: losses, spans, memory, step times (see the module docstring)."""

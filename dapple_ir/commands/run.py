@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dapple_ir.analysis.mfu import model_flops, utilization
 from dapple_ir.analysis.precision import precision_of
 from dapple_ir.backends.torch.tolerances import ATOL, GRAD_ATOL, NOISE_FLOOR, RTOL, TOLERANCES
 from dapple_ir.ir import Module
 from dapple_ir.units import format_bytes
+
+if TYPE_CHECKING:
+    from dapple_ir.backends.torch.results import CheckResult
 
 _EPILOG = """examples:
   dapple run plans/gpt --steps 5 --check
@@ -171,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"checkpoint: {args.save}")
     if result.check is None:
         return 0
-    c = result.check
+    return _print_check(result.check, module)
+
+
+def _print_check(c: CheckResult, module: Module | None) -> int:
+    """What `--check` found, and the exit status it gives the run."""
     verdict = "OK" if c.ok else "MISMATCH"
     precision = precision_of(module) if module is not None else "fp32"
     tol = TOLERANCES[precision]
