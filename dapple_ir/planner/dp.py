@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping
 from functools import cache
 from operator import itemgetter
+from typing import Any
 
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import PlanError
@@ -95,39 +96,9 @@ _order_key = itemgetter(_G, _H, _N)
 _stages_of = itemgetter(_N)
 
 
-def solve(
-    problem: Problem,
-    microbatches: int,
-    schedule: str,
-    policy: str,
-    *,
-    stages: int | None = None,
-    max_stages: int | None = None,
-    front: int | None = 3,
-    choices: list[int] | None = None,
-    bound: float = math.inf,
-    recompute: bool = False,
-    split: bool = False,
-) -> Candidate | None:
-    """The best candidate for one (M, schedule, policy), or None when nothing fits in memory or
-    beats `bound` (a stage busier than the bound cannot be part of a better plan: pruned). With
-    `recompute`, every stage recomputes (`cost_model.stage_memory`): it keeps its input per microbatch
-    in flight and one microbatch's activations, and its backward reruns the forward. With `split`,
-    every replicated stage splits each microbatch over its replicas, at most b of them (`cost_model`:
-    times and activations at `stage_rows`, M microbatches per replica, its cuts in pieces)."""
-    found = solve_priced(
-        problem,
-        microbatches,
-        schedule,
-        policy,
-        stages=stages,
-        max_stages=max_stages,
-        front=front,
-        choices=choices,
-        bound=bound,
-        recompute=recompute,
-        split=split,
-    )
+def solve(problem: Problem, microbatches: int, schedule: str, policy: str, **options: Any) -> Candidate | None:
+    """The best candidate for one (M, schedule, policy), or None (`solve_priced` without its objective)."""
+    found = solve_priced(problem, microbatches, schedule, policy, **options)
     return found[0] if found is not None else None
 
 
@@ -145,8 +116,13 @@ def solve_priced(
     recompute: bool = False,
     split: bool = False,
 ) -> tuple[Candidate, float] | None:
-    """`solve`, with the DP's own objective for the candidate it returns (what `evaluate` must price it at
-    where the DP is exact: see the module docstring)."""
+    """The best candidate for one (M, schedule, policy) and the DP's own objective for it (what `evaluate` prices
+    it at where the DP is exact: see the module docstring), or None when nothing fits in memory or beats `bound`
+    (a stage busier than the bound cannot be part of a better plan: pruned). With `recompute`, every stage
+    recomputes (`cost_model.stage_memory`): it keeps its input per microbatch in flight and one microbatch's
+    activations, and its backward reruns the forward. With `split`, every replicated stage splits each microbatch
+    over its replicas, at most b of them (`cost_model`: times and activations at `stage_rows`, M microbatches per
+    replica, its cuts in pieces)."""
     dp = _Search(problem, microbatches, schedule, policy, stages, max_stages, front, choices, bound, recompute, split)
     entries = [e for e in dp.suffix(0, 0) if stages is None or e[_N] == stages]
     if not entries:
