@@ -7,6 +7,7 @@ print(result.report)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,7 @@ def compile(
     optimizer: str = "adam",
     profile_batch: int | None = None,
     max_layers: int | None = None,
-    log: Any = None,
+    log: Callable[[str], None] | None = None,
     manager: dict[str, Any] | None = None,
     force: bool = False,
     virtual: int | None = None,
@@ -115,18 +116,22 @@ def compile(
     before any work unless `force`. `precision` (fp32, bf16, fp16) is the autocast dtype the plan trains
     in; None: bf16 where the cluster's devices have a bf16 tensor-core rate, else fp32 (`default_precision`).
     `split_at` names the modules where a stage begins (torch.distributed.pipelining's split points): those
-    cuts are fixed, and everything else is planned."""
+    cuts are fixed, and everything else is planned. `log` receives the progress as each phase ends (capture, each
+    pass with its time, the planner's candidates as it simulates them, writing) and the passes' notes."""
     _check_request(planner, global_batch, stages, microbatches, precision, pipeline)
     if out_dir is not None:
         plan_dir.check_output(Path(out_dir), force=force)
+    say: Callable[[str], None] = log or (lambda _m: None)
+    start = time.perf_counter()
     module, spec_text = _load(model_spec, profile_batch, cluster)
+    say(f"capture: {len(module.ops)} ops in {time.perf_counter() - start:.2f} s")
     from dapple_ir.ir.structure import structure_hash
 
     model_hash = structure_hash(module)
     module.attrs.global_batch = global_batch
     module.attrs.optimizer = optimizer
     module.attrs.cluster = cluster
-    ctx = PassContext(cluster=cluster, log=log or (lambda _m: None))
+    ctx = PassContext(cluster=cluster, log=say)
     options = dict(manager or {})
     profile = module.attrs.capture_method == "profile"
     chosen = _precision(precision, cluster, profile)
@@ -152,7 +157,9 @@ def compile(
     report = report_text(module, plan, explain_lines if explain else planner_lines[:8], mfu=explain)
     result = CompileResult(module, plan, report, explain_lines, Path(out_dir) if out_dir else None, text)
     if out_dir is not None:
+        start = time.perf_counter()
         write_plan_dir(result, Path(out_dir), runnable=not profile)
+        say(f"write: {out_dir} in {time.perf_counter() - start:.2f} s")
     return result
 
 

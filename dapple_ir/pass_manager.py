@@ -60,7 +60,9 @@ class PassManager:
                     f"pass '{p.spec()}' crashed{_after(done)} with {type(exc).__name__}: {exc} "
                     "(this is a bug in the pass; rerun with --debug for the traceback)"
                 ) from exc
-            self.timings.append((p.spec(), time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            self.timings.append((p.spec(), seconds))
+            ctx.log(f"{p.name}: done in {seconds:.2f} s")
             done.append(p.spec())
             if self.verify:
                 self.verify_after(module, f"pass '{p.spec()}'")

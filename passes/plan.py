@@ -54,7 +54,8 @@ class Plan(Pass):
     )
 
     def apply(self, ctx: PassContext, module: Module) -> None:
-        request = self.request(split_layers(module, self.split_at) if self.split_at else ())
+        cuts = split_layers(module, self.split_at) if self.split_at else ()
+        request = dataclasses.replace(self.request(cuts), progress=ctx.log)
         cluster_text = module.attrs.cluster or ctx.cluster
         if not cluster_text:
             raise PlanError("plan: no cluster; give --cluster (e.g. 2x8xV100-16GB) or set the module's cluster")

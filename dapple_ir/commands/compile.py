@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 
 from dapple_ir import schedules
 from dapple_ir.analysis.precision import PRECISIONS
@@ -100,12 +102,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "default: bf16 on devices with bf16 tensor cores (A100, H100, H200), else fp32",
     )
     p.add_argument("--profile-batch", type=int, metavar="N", help="batch the times of a profile: spec describe")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress on stderr (the phases and their times); errors still show"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from dapple_ir.api import compile as compile_plan
 
+    log = None if args.quiet else _progress_printer(time.perf_counter())
     if not args.cluster:
         raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
     from dapple_ir.cluster.toml_file import resolve_cluster
@@ -139,12 +145,21 @@ def run(args: argparse.Namespace) -> int:
         zero=args.zero,
         precision=args.precision,
         split_at=tuple(name.strip() for name in (args.split_at or "").split(",") if name.strip()),
-        log=lambda m: print(m, file=sys.stderr),
+        log=log,
         manager=manager,
     )
     sys.stdout.write(result.report)
     print(f"wrote {args.output}/ (plan.dapple, plan.json, report.txt)")
     return 0
+
+
+def _progress_printer(start: float) -> Callable[[str], None]:
+    """Prints a progress message on stderr after the seconds since `start`: `[  3.2 s] capture: 2802 ops ...`."""
+
+    def show(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    return show
 
 
 def _model_spec(args: argparse.Namespace) -> str:

@@ -23,7 +23,7 @@ from dapple_ir.planner.local_search import cluster_is_small, local_search
 from dapple_ir.planner.pinned import keeps_cuts, pinned_candidates
 from dapple_ir.planner.recompute import recompute_variants
 from dapple_ir.planner.request import RECOMPUTE_SCHEDULES, Request, validate, virtual_choices
-from dapple_ir.planner.scoring import Score, Scored, score_best, unique
+from dapple_ir.planner.scoring import Score, Scored, SearchProgress, score_best, unique
 from dapple_ir.planner.zero import zero_variants
 from dapple_ir.units import GB
 
@@ -57,10 +57,16 @@ def rank(problem: Problem, req: Request, score: Score | None = None) -> Outcome:
     # With pinned cuts, the searches' plans there and the walk over replica counts there are ranked
     # apart (so that pinning a plan's own cuts finds that plan again), and the faster is chosen.
     proposers: list[Proposer] = [gather, pinned_candidates] if req.cuts else [gather]
+    progress = SearchProgress(req.progress) if req.progress is not None else None
+    if progress is not None and score is not None:
+        score = progress.counting(score)
     outcomes, failure = [], None
     for propose in proposers:
         try:
-            outcomes.append(_rank_pool(problem, req, score, *candidates(problem, req, propose)))
+            schedule, pool = candidates(problem, req, propose)
+            if progress is not None:
+                progress.found(len(pool))
+            outcomes.append(_rank_pool(problem, req, score, schedule, pool))
         except NoPlanFits as exc:
             failure = exc
     if not outcomes and failure is not None:

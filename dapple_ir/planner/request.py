@@ -3,7 +3,8 @@ a request no plan can satisfy before any search runs (`validate`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import POLICIES, REPLICATION, Problem
@@ -52,6 +53,9 @@ class Request:
     cuts: tuple[int, ...] = ()
     """Layer boundaries where a stage must begin (`--split-at`, `analysis.module_cuts.split_layers`): the
     stages are these and only these; the planner chooses replication, placement, microbatches and schedule."""
+    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+    """Where the search reports its progress (candidates gathered and simulated, the best so far:
+    `scoring.SearchProgress`); None: nowhere."""
 
 
 def validate(problem: Problem, req: Request) -> None:

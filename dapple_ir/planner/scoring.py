@@ -1,10 +1,13 @@
 """Scoring candidates: the caller's score (the `plan` pass lowers and simulates), a candidate with its
 estimate and simulation (`Scored`), what makes two candidates one plan (`plan_key`), and scoring the best
 few once each (`score_best`: candidates that lower to the same rank programs share one simulation), and
-which round-robin candidates the cost model prices (`round_robin_priced`)."""
+which round-robin candidates the cost model prices (`round_robin_priced`), and the search's progress for
+the user (`SearchProgress`)."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +31,45 @@ class Scored:
     @property
     def time_s(self) -> float:
         return self.simulated_s if self.simulated_s is not None else self.estimate.iteration_s
+
+
+@dataclass
+class SearchProgress:
+    """The search's progress for the user, through `report` (the pass context's log): candidates gathered,
+    how many were simulated and the best simulated time that fits, at most once every `interval_s` (a
+    large plan simulates for a minute; a line a second shows it is moving without flooding the screen)."""
+
+    report: Callable[[str], None]
+    interval_s: float = 1.0
+    gathered: int = 0
+    simulated: int = 0
+    best_s: float = math.inf
+    last_report: float = -math.inf
+
+    def counting(self, score: Score) -> Score:
+        """`score`, counting its simulations and reporting the progress as they finish."""
+
+        def counted(problem: Problem, cand: Candidate) -> tuple[float, float]:
+            seconds, peak = score(problem, cand)
+            self.simulated += 1
+            if peak <= problem.capacity(0):
+                self.best_s = min(self.best_s, seconds)
+            self.tick()
+            return seconds, peak
+
+        return counted
+
+    def found(self, candidates: int) -> None:
+        self.gathered += candidates
+        self.tick()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self.last_report < self.interval_s:
+            return
+        self.last_report = now
+        best = f", best {self.best_s:.3f} s" if self.best_s < math.inf else ""
+        self.report(f"plan: {self.gathered} candidates gathered, {self.simulated} simulated{best}")
 
 
 def plan_key(cand: Candidate) -> tuple:

@@ -10,6 +10,8 @@ The names callers use are importable from here.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import Problem
 from dapple_ir.planner.memory_advice import MemoryAdvice, memory_advice
@@ -47,4 +49,6 @@ def search(problem: Problem, req: Request, score: Score | None = None, *, advise
     except NoPlanFits as exc:
         if not advise:
             raise
-        raise PlanError(f"{exc} {memory_advice(problem, req, score).text}") from None
+        # The advice plans the model on other clusters: its searches are not this one's progress.
+        advice = memory_advice(problem, dataclasses.replace(req, progress=None), score)
+        raise PlanError(f"{exc} {advice.text}") from None
