@@ -76,7 +76,7 @@ from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.ir import InstrKind
 from dapple_ir.pricing.layers import Problem, op_roofline, problem_from_module, roofline_ops
-from dapple_ir.pricing.pipeline import in_flight, stage_step
+from dapple_ir.pricing.pipeline import in_flight, replica_in_flight, stage_step
 from dapple_ir.pricing.traffic import busiest, cut_crossings, cut_s
 from dapple_ir.schedules import ScheduleRequest, build_schedule
 
@@ -296,12 +296,13 @@ def stage_memory(
     b: int,
     recompute: bool = False,
     shards: int = 1,
+    held: int | None = None,
 ) -> float:
-    """Static bytes of layers [lo, hi) plus the activations of the microbatches in flight; with
-    `recompute`, each microbatch in flight keeps only the stage's input (`received_bytes`) and one
-    microbatch's activations live while its forward reruns before the backward."""
+    """Static bytes of layers [lo, hi) plus the activations of the microbatches in flight (`held`, by default
+    `in_flight`'s); with `recompute`, each microbatch in flight keeps only the stage's input (`received_bytes`) and
+    one microbatch's activations live while its forward reruns before the backward."""
     act = (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
-    held = in_flight(schedule, stages_after, per_replica)
+    held = in_flight(schedule, stages_after, per_replica) if held is None else held
     static = problem.static_of(lo, hi, shards)
     if recompute:
         return static + held * received_bytes(problem, lo, b) + act
@@ -332,8 +333,10 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
     loads: dict[int, float] = {}
     left_out, tied_rings = tied_allreduces(problem, cand)
+    split = [cand.splits(k) for k in range(n)]
+    held = replica_in_flight(cand.schedule, cand.replicas, split, cand.microbatches)
     for s in range(n - 1, -1, -1):
-        price = stage_price(problem, cand, s, after, left_out[s], loads)
+        price = stage_price(problem, cand, s, after, left_out[s], loads, held[s])
         after = price.g, price.r
         h = max(price.tail, h - (price.bwd + price.cut))
         busies[s], peaks[s] = price.busy, price.peak
@@ -379,9 +382,11 @@ def stage_price(
     after: tuple[float, float] | None,
     left_out: float,
     loads: dict[int, float],
+    warm: int,
 ) -> StagePrice:
     """Stage s of `cand` priced with the stage after it (`after`: its (G, R), `pricing.pipeline.stage_step`),
-    its cut's and ring's bytes added to `loads`."""
+    its cut's and ring's bytes added to `loads`; a replica holds `warm` microbatches at once
+    (`pricing.pipeline.replica_in_flight`)."""
     st, n, m = cand.stages[s], len(cand.stages), cand.microbatches
     b = problem.microbatch_size(m)
     # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
@@ -412,10 +417,11 @@ def stage_price(
     ring = problem.ring(st.devices)
     _add(loads, ring.crossings, ring.step_bytes(grads))
     tail = problem.gradient_tail_s(st.lo, st.hi, st.devices, grads, cand.shards(s))
-    warm = in_flight(cand.schedule, n - s, per_replica)
     g, r = stage_step(cand.schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
     shards = st.replicas if cand.shards(s) else 1
-    peak = stage_memory(problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards)
+    peak = stage_memory(
+        problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards, warm
+    )
     return StagePrice(g, r, busy, fwd, bwd, c, tail, peak)
 
 

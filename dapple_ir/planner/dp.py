@@ -20,8 +20,10 @@ allreduce of a tied parameter whose readers fall in different stages (summed ove
 floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
 card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
 thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
-the links it shares with what crosses at once. Outside those, the DP's objective for its plan is
-`evaluate`'s iteration time (`tests/test_pricing.py`).
+the links it shares with what crosses at once. It does not propose a stage with fewer replicas than
+the next one needs to warm up with (`pricing.pipeline.caps_warmup`: 1f1b would leave each of that
+stage's replicas fewer microbatches in flight than its S - s, and they starve). Outside those, the
+DP's objective for its plan is `evaluate`'s iteration time (`tests/test_pricing.py`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dapple_ir.planner.cost_model import (
 )
 from dapple_ir.pricing.collectives import ring_step_bytes
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import in_flight, stage_step
+from dapple_ir.pricing.pipeline import caps_warmup, in_flight, stage_step
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
@@ -349,11 +351,15 @@ class _Search:
                     objective = max(floor, g + ar if ar > 0.0 else g)
                     found.append((g, ar, 1, alone, start, r, j, None, objective, loads, floor, r_trip))
                 continue
+            runs = 1 if split_here else r
             for child in self.suffix(j, start + r):
                 n = child[_N] + 1
                 warm = in_flight(schedule, n, per)
                 if n > self.limit or static + warm * act > cap:
                     continue
+                child_runs = 1 if child[_REPLICAS] in self.split_counts else child[_REPLICAS]
+                if caps_warmup(schedule, runs, child_runs, child[_N], m):
+                    continue  # the next stage's replicas would starve (a leave-out, module docstring)
                 c, late = self.crossing(start, r, split_here, fwd, j, child)
                 g, r_trip = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, (child[_G], child[_R]))
                 if g > self.bound:

@@ -25,7 +25,7 @@ from dapple_ir.cluster.topology import Network
 from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, stagger_s
 from dapple_ir.planner.dp import replica_choices
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, in_flight
+from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, caps_warmup, in_flight
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 if TYPE_CHECKING:
@@ -366,10 +366,13 @@ class _Model:
                 exact = lat * 2**16 + coef * x_s
                 md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
                 md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
+        m, after = self.prices.microbatches, self.stages - s - 1
         for r, here in zip(choices, self.onehot[s], strict=True):
             for r2, nxt in nexts.items():
-                stagger = round(stagger_s(1.0, r, False, r2, False, self.prices.microbatches))
+                stagger = round(stagger_s(1.0, r, False, r2, False, m))
                 md.add(late == stagger * f).only_enforce_if([here, nxt])
+                if caps_warmup(self.schedule, r, r2, after, m):
+                    md.add_bool_or([here.negated(), nxt.negated()])  # the DP's space: no starved replicas
         return c, late
 
     def objective(self, g0: cp_model.IntVar, h0: cp_model.IntVar) -> None:

@@ -25,6 +25,10 @@ equal layers on 4 V100s cut 1, 1, 2 x 2: the bound said 138 ms, the simulator 19
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from dapple_ir.schedules import ScheduleRequest, warmups
+
 #: Share of a stage's compute on the first microbatch's path through the pipeline: zb-h1 defers the weight
 #: gradient (about half the backward) into bubbles, interleaving halves each virtual stage.
 PATH_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 0.75, "interleaved": 0.5}
@@ -47,6 +51,36 @@ def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     if schedule == "interleaved":
         return min(per_replica, 2 * stages_after)
     return min(per_replica, stages_after)
+
+
+def replica_in_flight(schedule: str, replicas: Sequence[int], split: Sequence[bool], microbatches: int) -> list[int]:
+    """Per stage, the microbatches a replica holds at once in the order the schedule builds: `in_flight`, except
+    where the stage before warms up with fewer than this stage's replicas need (1f1b and zb-h1,
+    `schedules.warmups`: more replicas after fewer), which leaves each replica ceil(W / R) of the stage's W."""
+    stages = len(replicas)
+    per = [microbatches if sp else -(-microbatches // r) for r, sp in zip(replicas, split, strict=True)]
+    rule = [in_flight(schedule, stages - s, per[s]) for s in range(stages)]
+    if schedule not in ("1f1b", "zb-h1"):
+        return rule
+    runs = tuple(1 if sp else r for r, sp in zip(replicas, split, strict=True))
+    group = warmups(ScheduleRequest(runs, microbatches))
+    return [min(rule[s], -(-group[s] // runs[s])) for s in range(stages)]
+
+
+def caps_warmup(schedule: str, before: int, after: int, stages_after: int, microbatches: int) -> bool:
+    """Would a stage running `before` replicas' worth of microbatches (1 where split) ahead of one running `after`,
+    with `stages_after` stages from that one on, warm up with fewer than the later one needs (`schedules.warmups`)?"""
+    if schedule not in ("1f1b", "zb-h1"):
+        return False
+    return min((stages_after + 1) * before, microbatches) < min(stages_after * after, microbatches)
+
+
+def starves(schedule: str, replicas: Sequence[int], split: Sequence[bool], microbatches: int) -> bool:
+    """Does some stage warm up with fewer microbatches than the next one's replicas need (`caps_warmup`)? The DP and
+    the ILP search only plans where none does; `replica_in_flight` prices the others."""
+    runs = [1 if sp else r for r, sp in zip(replicas, split, strict=True)]
+    stages = len(runs)
+    return any(caps_warmup(schedule, runs[k], runs[k + 1], stages - k - 1, microbatches) for k in range(stages - 1))
 
 
 def stage_step(
