@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from dapple_ir.api import compile as compile_plan
 from dapple_ir.cli import main
 from dapple_ir.planner.cost_model import Candidate, Problem
@@ -83,3 +85,20 @@ def test_the_planner_reports_its_search_through_the_log() -> None:
     searched = [line for line in lines if re.fullmatch(r"plan: \d+ candidates gathered, \d+ simulated.*", line)]
     assert searched, lines
     assert lines.index(searched[0]) < lines.index(next(line for line in lines if line.startswith("plan: done in")))
+
+
+def test_a_phase_that_runs_long_says_it_is_still_working(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 70B capture runs 30 s in one call: the progress prints `still working` every `quiet_s` without a line."""
+    import time
+
+    from dapple_ir.commands.compile import Progress
+
+    progress = Progress(time.perf_counter(), quiet_s=0.2)
+    progress("capture: started")
+    time.sleep(0.9)
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("capture: started")
+    still = [line for line in lines if "still working" in line]
+    assert len(still) >= 2
+    assert not progress.watcher.is_alive()

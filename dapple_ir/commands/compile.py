@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from dapple_ir import schedules
 from dapple_ir.analysis.precision import PRECISIONS
@@ -111,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from dapple_ir.api import compile as compile_plan
 
-    log = None if args.quiet else _progress_printer(time.perf_counter())
+    started = time.perf_counter()
     if not args.cluster:
         raise DappleError("dapple compile needs --cluster, e.g. --cluster 2x8xV100-16GB")
     from dapple_ir.cluster.toml_file import resolve_cluster
@@ -123,6 +125,17 @@ def run(args: argparse.Namespace) -> int:
             f"--schedule must be one of the registered schedules ({', '.join(schedules.SCHEDULES)}), "
             f"not '{args.schedule}'"
         )
+    log = None if args.quiet else _progress_printer(started)
+    try:
+        return _compile(args, log, manager, compile_plan)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _compile(
+    args: argparse.Namespace, log: Progress | None, manager: dict[str, Any], compile_plan: Callable[..., Any]
+) -> int:
     result = compile_plan(
         _model_spec(args),
         cluster=args.cluster,
@@ -153,13 +166,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_printer(start: float) -> Callable[[str], None]:
-    """Prints a progress message on stderr after the seconds since `start`: `[  3.2 s] capture: 2802 ops ...`."""
+#: Seconds a phase may run without a line before the progress says it is still working (a 70B capture takes 30 s).
+QUIET_S = 4.0
 
-    def show(message: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-    return show
+class Progress:
+    """Prints progress messages on stderr after the seconds since `start` (`[  3.2 s] capture: 2802 ops ...`), and,
+    from a watcher thread, `still working` whenever `QUIET_S` seconds pass without one: a long capture or search
+    shows something every few seconds."""
+
+    def __init__(self, start: float, quiet_s: float = QUIET_S) -> None:
+        self.start, self.quiet_s = start, quiet_s
+        self.last = start
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="dapple-progress", daemon=True)
+        self.watcher.start()
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            self.last = now
+            print(f"[{now - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(1.0, self.quiet_s / 2)):
+            since = time.perf_counter() - self.last
+            if since >= self.quiet_s:
+                self(f"... still working ({since:.0f} s since the last line)")
+
+    def close(self) -> None:
+        self.done.set()
+        self.watcher.join(timeout=5.0)
+
+
+def _progress_printer(start: float) -> Progress:
+    """The compile command's progress on stderr (`Progress`)."""
+    return Progress(start)
 
 
 def _model_spec(args: argparse.Namespace) -> str:
