@@ -178,6 +178,8 @@ class Progress:
     def __init__(self, start: float, quiet_s: float = QUIET_S) -> None:
         self.start, self.quiet_s = start, quiet_s
         self.last = start
+        # The terminal's stream, held: capture silences torch by swapping `sys.stderr` while it traces.
+        self.stream = sys.stderr
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.watcher = threading.Thread(target=self._watch, name="dapple-progress", daemon=True)
@@ -187,7 +189,7 @@ class Progress:
         with self.lock:
             now = time.perf_counter()
             self.last = now
-            print(f"[{now - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
+            print(f"[{now - self.start:6.1f} s] {message}", file=self.stream, flush=True)
 
     def _watch(self) -> None:
         while not self.done.wait(min(1.0, self.quiet_s / 2)):
