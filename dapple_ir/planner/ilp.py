@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from dapple_ir.cluster.topology import Network
 from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, stagger_s
 from dapple_ir.planner.dp import replica_choices
+from dapple_ir.pricing.collectives import ring_step_ratio
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
 from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, caps_warmup, in_flight
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
@@ -332,8 +333,9 @@ class _Model:
                     if link not in rings:
                         rings[link] = md.new_int_var(0, 2 * k * most_grads, f"ring{s}_{link}")
                         self.card_load[link].append(rings[link])
-                    # k steps of 2(r-1)/r of the gradients each, in whole bytes.
-                    md.add(r * rings[link] >= 2 * (r - 1) * k * grads).only_enforce_if(place)
+                    # k steps of the ring's share of the gradients each (`ring_step_ratio`), in whole bytes.
+                    numerator, denominator = ring_step_ratio(r)
+                    md.add(denominator * rings[link] >= numerator * k * grads).only_enforce_if(place)
 
     def cut(self, s: int, f: cp_model.IntVar) -> tuple[cp_model.IntVar, cp_model.IntVar]:
         """c: the cut's transfer after stage s at its placement and the next stage's replica count (which starts

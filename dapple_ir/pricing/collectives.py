@@ -8,7 +8,7 @@ the host (`DeviceKind.reduce_per_byte`; 0 on the GPU presets, measured by `dappl
 
 `RingAllreduce` holds that plan once for a device group: its time alone (`seconds`), its linear
 coefficients for the solvers (`per_byte_s`, `fixed_s`: the time is exactly affine in the bytes), and
-its flows for the simulator and the link-load sums (`steps`, `crossings`, `step_bytes`, `host_s`).
+its flows for the simulator and the link-load sums (`steps`, `crossings`, `collective_step_bytes`, `beyond_links_s`).
 
 A sharded stage (ZeRO-1) runs the allreduce's two halves apart, on the same ring: a reduce-scatter (n-1 steps
 of (n-1)/n of the bytes in all, the hosts' reduction included) before the optimizer step, and an all-gather
@@ -25,14 +25,16 @@ from dataclasses import dataclass
 from dapple_ir.cluster.topology import Network
 
 
-def ring_shard_bytes(nbytes: float, members: int) -> float:
-    """Bytes each step of a ring reduce-scatter or all-gather over `members` devices sends: (n-1)/n of them."""
-    return (members - 1) / members * nbytes if members > 1 else 0.0
+def ring_step_ratio(members: int) -> tuple[int, int]:
+    """(numerator, denominator) of the bytes each step of a ring allreduce over `members` devices sends per reduced
+    byte, 2(n-1)/n (a reduce-scatter, then an all-gather): whole numbers, for a solver that keeps integers."""
+    return (2 * (members - 1), members) if members > 1 else (0, 1)
 
 
 def ring_step_bytes(nbytes: float, members: int) -> float:
-    """Bytes each step of a ring allreduce (a reduce-scatter, then an all-gather) sends: 2(n-1)/n of them."""
-    return 2 * ring_shard_bytes(nbytes, members)
+    """Bytes each step of a ring allreduce sends: 2(n-1)/n of the reduced bytes (`ring_step_ratio`)."""
+    numerator, denominator = ring_step_ratio(members)
+    return numerator * nbytes / denominator
 
 
 @dataclass(frozen=True)
@@ -57,39 +59,48 @@ class RingAllreduce:
         """The solvers' linear coefficient: seconds per reduced byte, links and hosts together."""
         return self.link_per_byte_s + self.host_per_byte_s
 
-    def seconds(self, nbytes: float) -> float:
-        """The ring alone on the network: `fixed_s + per_byte_s x nbytes`; 0 for nothing to reduce."""
+    def beyond_links_s(self, kind: str, nbytes: float) -> float:
+        """What collective `kind` (`allreduce`, or one of its halves: `reduce_scatter`, `all_gather`) of `nbytes`
+        costs beyond its steps' bytes on the links: its share of the rounds' latency, and the hosts' reduction (in
+        the allreduce and the reduce-scatter; an all-gather reduces nothing). 0 for nothing to reduce."""
         if self.members <= 1 or nbytes <= 0:
             return 0.0
-        return self.fixed_s + self.per_byte_s * nbytes
+        reduce = self.host_per_byte_s * nbytes if kind != "all_gather" else 0.0
+        return self.fixed_s * _RING_SHARE[kind] + reduce
+
+    def collective_step_bytes(self, kind: str, nbytes: float) -> float:
+        """Bytes each step of collective `kind` sends: 2(n-1)/n of `nbytes` for the allreduce, half that for a half."""
+        return ring_step_bytes(nbytes, self.members) * _RING_SHARE[kind]
+
+    def collective_s(self, kind: str, nbytes: float) -> float:
+        """Collective `kind` alone on the network: its links' share plus what it costs beyond them."""
+        if self.members <= 1 or nbytes <= 0:
+            return 0.0
+        return self.link_per_byte_s * _RING_SHARE[kind] * nbytes + self.beyond_links_s(kind, nbytes)
+
+    def seconds(self, nbytes: float) -> float:
+        """The allreduce alone on the network: `fixed_s + per_byte_s x nbytes`; 0 for nothing to reduce."""
+        return self.collective_s("allreduce", nbytes)
 
     def step_bytes(self, nbytes: float) -> float:
-        """Bytes each step sends (`ring_step_bytes`)."""
-        return ring_step_bytes(nbytes, self.members)
+        """Bytes each step of the allreduce sends (`ring_step_bytes`)."""
+        return self.collective_step_bytes("allreduce", nbytes)
 
     def shard_step_bytes(self, nbytes: float) -> float:
-        """Bytes each step of the reduce-scatter or the all-gather half sends (`ring_shard_bytes`)."""
-        return ring_shard_bytes(nbytes, self.members)
+        """Bytes each step of the reduce-scatter or the all-gather half sends."""
+        return self.collective_step_bytes("reduce_scatter", nbytes)
 
     def reduce_scatter_s(self, nbytes: float) -> float:
         """The reduce-scatter half alone: half the links' time and rounds, all of the hosts' reduction."""
-        if self.members <= 1 or nbytes <= 0:
-            return 0.0
-        return self.fixed_s / 2 + (self.link_per_byte_s / 2 + self.host_per_byte_s) * nbytes
+        return self.collective_s("reduce_scatter", nbytes)
 
     def all_gather_s(self, nbytes: float) -> float:
         """The all-gather half alone: the other half of the links' time and rounds."""
-        if self.members <= 1 or nbytes <= 0:
-            return 0.0
-        return self.fixed_s / 2 + self.link_per_byte_s / 2 * nbytes
+        return self.collective_s("all_gather", nbytes)
 
-    def host_s(self, nbytes: float) -> float:
-        """The members' reduction on the host after the links (the simulator adds it to the ring's end)."""
-        return self.host_per_byte_s * nbytes if self.members > 1 and nbytes > 0 else 0.0
 
-    def latency_s(self, nbytes: float) -> float:
-        """The rounds' latency, paid only when there are bytes."""
-        return self.fixed_s if self.members > 1 and nbytes > 0 else 0.0
+#: Each collective's share of the allreduce's steps and rounds: ZeRO-1's reduce-scatter and all-gather are its halves.
+_RING_SHARE = {"allreduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5}
 
 
 def ring_allreduce(network: Network, devices: Sequence[int]) -> RingAllreduce:

@@ -986,11 +986,8 @@ class _Simulator:
         ring = ring_allreduce(self.network, [self.devices[m] for m in what[0]])
         # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links. A
         # reduce-scatter or an all-gather is one half of the ring: half its rounds, (n-1)/n of the bytes a step.
-        if instr.kind is InstrKind.ALLREDUCE:
-            latency, per_step = ring.latency_s(nbytes) + ring.host_s(nbytes), ring.step_bytes(nbytes)
-        else:
-            latency, per_step = ring.latency_s(nbytes) / 2, ring.shard_step_bytes(nbytes)
-            latency += ring.host_s(nbytes) if instr.kind is InstrKind.REDUCE_SCATTER else 0.0
+        latency = ring.beyond_links_s(instr.kind.value, nbytes)
+        per_step = ring.collective_step_bytes(instr.kind.value, nbytes)
         paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
         paths = [p for p in paths if not state.sharing.is_free(p)]
         if not paths:
