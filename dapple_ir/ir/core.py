@@ -134,6 +134,12 @@ class ParamAttrs(AttrRecord):
     """True for a buffer (running statistics): no gradient, no optimizer state."""
     shared: bool | None = None
     """True when ops in different parts of the model read it (tied embedding and LM head)."""
+    tp_dim: int | None = None
+    """The dimension a stage's tensor group splits (`StageAttrs.tp`, set by the `tensor-parallel` pass): member k
+    of T holds the k-th contiguous 1/T of it (of each of its `tp_parts` equal parts). Absent: whole on every member."""
+    tp_parts: int | None = None
+    """Equal parts of the `tp_dim` dimension that are each split over the tensor group (a fused QKV weight: 3, so
+    member k holds its heads of Q, of K and of V). Absent: 1."""
 
 
 @dataclass(slots=True)
@@ -167,6 +173,16 @@ class OpAttrs(AttrRecord):
     """Parameter bytes of an op whose parameters are not listed (imported profiles)."""
     params: tuple[str, ...] | None = None
     """Names of the parameters and buffers the op reads."""
+    tp_role: str | None = None
+    """Megatron-LM's tensor-parallel pattern the op belongs to (set by the `tensor-parallel` pass; used where its
+    stage has `tp` > 1): `col`, a column-parallel matmul (weight split on its output features, input whole, result
+    split on its last dimension); `row`, a row-parallel matmul (weight split on its input features, input split
+    on its last dimension, its partial result summed over the tensor group before its bias, if any, is added)."""
+    tp_dim: int | None = None
+    """The dimension of the op's result that a tensor group splits (each member computes its contiguous 1/T, of
+    each of `tp_parts` equal parts); absent: every member computes the whole result (replicated)."""
+    tp_parts: int | None = None
+    """Equal parts of the result's `tp_dim` that are each split over the group (a fused QKV result: 3). Absent: 1."""
     loc: str | None = None
     """Source location `file:line` of the Python code that created the op (not semantic)."""
 
@@ -203,6 +219,11 @@ class StageAttrs(AttrRecord):
     recompute: bool | None = None
     """Activation recomputation: the forward keeps only the stage's inputs (the values it receives)
     per microbatch and is rerun, with grad, right before that microbatch's backward."""
+    tp: int | None = None
+    """Tensor-parallel degree T (Megatron-LM's intra-layer parallelism; absent: 1). Each replica runs on a tensor
+    group of T devices of one node: `devices` lists replicas * T ids, replica-major (replica j's group is
+    devices[j*T:(j+1)*T], member k its tensor rank k). Ops with `tp_role` or `tp_dim` compute 1/T of their width
+    on each member; the rest are replicated in the group."""
     zero: int | None = None
     """Sharded optimizer state (ZeRO stage; only 1, Megatron's distributed optimizer): each of the stage's R
     replicas keeps the optimizer state of one contiguous 1/R of the stage's parameters (flattened, tied ones
@@ -219,6 +240,8 @@ class ProgramAttrs(AttrRecord):
     """Global device id the rank runs on."""
     replica: int | None = None
     """Replica index of the stages this rank hosts."""
+    tensor_rank: int | None = None
+    """Member index of this rank in the tensor groups (`StageAttrs.tp`) of the stages it hosts; absent: 0."""
     stages: tuple[str, ...] | None = None
     """Names of the stages this rank hosts (several for interleaved schedules)."""
     peak_bytes: float | None = None
@@ -324,6 +347,22 @@ class Stage:
         return bool(self.attrs.recompute)
 
     @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (`StageAttrs.tp`); 1 when unset."""
+        return self.attrs.tp or 1
+
+    @property
+    def lead_devices(self) -> tuple[int, ...] | None:
+        """One device per replica: member 0 of each replica's tensor group (all of `devices` when `tp` is 1)."""
+        devices = self.attrs.devices
+        return None if devices is None else devices[:: self.tp]
+
+    def group_devices(self, replica: int) -> tuple[int, ...]:
+        """The devices of `replica`'s tensor group, member order."""
+        t = self.tp
+        return (self.attrs.devices or ())[replica * t : (replica + 1) * t]
+
+    @property
     def sharded(self) -> bool:
         """Do the replicas shard the optimizer state (`StageAttrs.zero`)? Only with two replicas or more."""
         return bool(self.attrs.zero) and self.replicas > 1
@@ -375,6 +414,11 @@ class InstrKind(enum.Enum):
     ALL_GATHER = "all_gather"
     """After the optimizer step: every member of `group` sends its stepped shard of `stage`'s parameters to the
     others, so each replica holds the whole stepped parameters again."""
+    TENSOR_ALLREDUCE = "tensor_allreduce"
+    """Tensor parallelism (`StageAttrs.tp`): sum over the stage's tensor group `group` the partial result of the
+    row-parallel op `value` (Megatron's g, in the forward), or with `grad` the partial gradient of `value`, the
+    whole input of column-parallel ops (Megatron's f, in the backward). It runs inside the compute instruction
+    before it (`stage`, `mb`), at that op; it is listed so that the plan shows, prices and simulates it."""
     OPTIMIZER_STEP = "optimizer_step"
     """Apply the optimizer to this rank's parameters (a sharded stage: its shard) and clear their gradients."""
 
