@@ -3,7 +3,9 @@
 The model is plain PyTorch: learned token and position embeddings, pre-LN blocks of causal
 self-attention (one fused QKV projection, split into heads with view/transpose and run by
 `scaled_dot_product_attention`) and a 4h GELU MLP, a final layer norm, an LM head tied to the token
-embedding, and cross-entropy. Vocabulary 51,200 and sequence 2,048, as in the paper.
+embedding, and cross-entropy. Vocabulary 51,200 and sequence 2,048, as in the paper; dropout 0.1 after
+the embeddings, on the attention probabilities and after each block's two residual branches, as
+Megatron-LM's defaults (which the paper's runs kept) have it.
 
 `ROWS` is Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC'21): each model's shape, the tensor- and pipeline-parallel sizes, GPUs, global
@@ -30,6 +32,8 @@ from torch import nn
 
 VOCAB = 51_200
 SEQ = 2_048
+#: Megatron-LM's default hidden and attention dropout, which the SC'21 runs did not change.
+MEGATRON_DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,14 +122,18 @@ class GPTShape:
     hidden: int
     layers: int
     heads: int
+    dropout: float = 0.0
+    """Megatron's `--hidden-dropout` and `--attention-dropout` (0.1 by default, which Table 1's runs keep)."""
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, s: GPTShape) -> None:
         super().__init__()
         self.heads = s.heads
+        self.dropout = s.dropout
         self.qkv = nn.Linear(s.hidden, 3 * s.hidden)
         self.proj = nn.Linear(s.hidden, s.hidden)
+        self.drop = nn.Dropout(s.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
@@ -134,8 +142,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.heads, h // self.heads).transpose(1, 2)
         k = k.view(b, t, self.heads, h // self.heads).transpose(1, 2)
         v = v.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, h))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, h)))
 
 
 class Block(nn.Module):
@@ -144,7 +153,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(s.hidden)
         self.attn = CausalSelfAttention(s)
         self.ln2 = nn.LayerNorm(s.hidden)
-        self.mlp = nn.Sequential(nn.Linear(s.hidden, 4 * s.hidden), nn.GELU(), nn.Linear(4 * s.hidden, s.hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(s.hidden, 4 * s.hidden), nn.GELU(), nn.Linear(4 * s.hidden, s.hidden), nn.Dropout(s.dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -156,13 +167,14 @@ class MegatronGPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(s.vocab, s.hidden)
         self.pos = nn.Embedding(s.seq, s.hidden)
+        self.drop = nn.Dropout(s.dropout)
         self.blocks = nn.ModuleList([Block(s) for _ in range(s.layers)])
         self.ln_f = nn.LayerNorm(s.hidden)
         nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        h = self.tok(idx) + self.pos(positions)
+        h = self.drop(self.tok(idx) + self.pos(positions))
         for block in self.blocks:
             h = block(h)
         # Megatron ties the output layer to the word embedding: one parameter read in two places.
@@ -186,11 +198,11 @@ def build(s: GPTShape, batch: int = 1) -> Factory:
 def factory(name: str = "1.7B", batch: int = 1) -> Factory:
     """The model of the row named `name`, vocabulary 51,200 and sequence 2,048, on an example of `batch`."""
     r = row(name)
-    return build(GPTShape(VOCAB, SEQ, r.hidden, r.layers, r.heads), batch)
+    return build(GPTShape(VOCAB, SEQ, r.hidden, r.layers, r.heads, MEGATRON_DROPOUT), batch)
 
 
 def factory_tiny() -> Factory:
-    """Two layers, hidden 64, 4 heads, vocabulary 256, sequence 32: trains on a CPU."""
+    """Two layers, hidden 64, 4 heads, vocabulary 256, sequence 32, no dropout: trains on a CPU, exactly."""
     return build(GPTShape(256, 32, 64, 2, 4), batch=4)
 
 
