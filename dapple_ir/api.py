@@ -52,6 +52,8 @@ def default_pipeline(
     zero: str = "none",
     precision: str = "fp32",
     split_at: tuple[str, ...] = (),
+    tensor_parallel: int | None = None,
+    data_parallel: int | None = None,
 ) -> str:
     """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
 
@@ -70,6 +72,9 @@ def default_pipeline(
         options.append(f"replication={replication}")
     if zero != "none":
         options.append(f"zero={zero}")
+    for key, count in (("tensor-parallel", tensor_parallel), ("data-parallel", data_parallel)):
+        if count is not None:
+            options.append(f"{key}={count}")
     keep = ";".join(split_at)
     if keep:
         options.append(f"split-at={keep}")
@@ -109,6 +114,8 @@ def compile(
     zero: str = "none",
     precision: str | None = None,
     split_at: tuple[str, ...] = (),
+    tensor_parallel: int | None = None,
+    data_parallel: int | None = None,
 ) -> CompileResult:
     """Capture (or import) the model, plan it for `cluster`, lower it, and write `out_dir` atomically.
 
@@ -149,6 +156,8 @@ def compile(
         zero=zero,
         precision=chosen,
         split_at=split_at,
+        tensor_parallel=tensor_parallel,
+        data_parallel=data_parallel,
     )
     PassManager(build_pipeline(text), **options).run(module, ctx)
     plan = plan_json(module, spec_text, model_hash, optimizer)

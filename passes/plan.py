@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from dapple_ir import schedules
 from dapple_ir.analysis.module_cuts import split_layers
 from dapple_ir.cluster.roofline import rescaled_s
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
-from dapple_ir.planner.search import Request, search, write_stages
+from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.pricing.tensor import DEGREES
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
 from dapple_ir.sim.simulator import simulate
 
@@ -52,6 +54,8 @@ class Plan(Pass):
     split_at: tuple[str, ...] = option(
         (), "modules where a stage begins (torch.distributed.pipelining's SplitPoint.BEGINNING); the rest is planned"
     )
+    tensor_parallel: int = option(0, "tensor-parallel degree of every stage (1, 2, 4, 8); 0: searched")
+    data_parallel: int = option(0, "replicas of every stage; 0: chosen per stage")
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         cuts = split_layers(module, self.split_at) if self.split_at else ()
@@ -63,19 +67,21 @@ class Plan(Pass):
         global_batch = self.global_batch or module.attrs.global_batch or getattr(ctx, "global_batch", None)
         if not global_batch:
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
-        problem = problem_from_module(module, cluster, int(global_batch))
         prices = OpPrices(module, cluster)
 
         def score(trial: Problem, cand: Candidate) -> tuple[float, float]:
             return lower_and_simulate(module, trial, cand, prices)
 
-        outcome = search(problem, request, score if self.simulate else None)
+        problem, outcome = _search_degrees(
+            module, cluster, int(global_batch), request, self.tensor_parallel, score if self.simulate else None
+        )
         write_stages(module, problem, outcome.chosen.cand)
         write_costs_at_microbatch(module, problem, outcome.chosen.cand)
         module.attrs.cluster = cluster_text
         module.attrs.predicted_iteration_s = outcome.chosen.time_s
         ctx.reports["plan"] = outcome.explain
-        ctx.log(f"plan: {outcome.chosen.cand.describe()}, predicted {outcome.chosen.time_s:.4f} s per iteration")
+        tp = f", tensor-parallel {problem.tp}" if problem.tp > 1 else ""
+        ctx.log(f"plan: {outcome.chosen.cand.describe()}{tp}, predicted {outcome.chosen.time_s:.4f} s per iteration")
 
     def request(self, cuts: tuple[int, ...] = ()) -> Request:
         """What this pass asks the planner for (the planner checks it: `dapple_ir.planner.search.validate`),
@@ -91,6 +97,7 @@ class Plan(Pass):
             recompute=self.recompute,
             replication=self.replication,
             zero=self.zero,
+            data_parallel=self.data_parallel or None,
             cuts=cuts,
         )
 
@@ -105,6 +112,7 @@ def lower_and_simulate(
     trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
     write_stages(trial, problem, cand)
     ctx = PassContext()
+    cluster = problem.base_cluster or problem.cluster
     lowering = [
         lookup_pass("schedule").from_options({"kind": cand.schedule, "virtual": str(cand.virtual)}),
         lookup_pass("lower-comm").from_options({}),
@@ -115,8 +123,87 @@ def lower_and_simulate(
             lowering_pass.apply(ctx, trial)
         except DappleError as exc:
             raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
-    result = simulate(trial, cluster=problem.cluster, prices=prices or OpPrices(module, problem.cluster))
+    result = simulate(trial, cluster=cluster, prices=prices or OpPrices(module, cluster))
     return result.iteration_s, max(result.peak_bytes, default=0.0)
+
+
+def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:
+    """The tensor-parallel degrees to plan with: `forced` (refused with the reason where the model or the cluster
+    cannot take it), else each of `pricing.tensor.DEGREES` that divides a node's devices and the model's split
+    widths and heads; 1 alone where the `tensor-parallel` pass found no pattern."""
+    if forced:
+        reason = _degree_problem(module, cluster, forced)
+        if reason:
+            raise PlanError(f"plan: tensor-parallel {forced}: {reason}")
+        return [forced]
+    if not any(op.attrs.tp_role for op in module.ops):
+        return [1]
+    return [t for t in DEGREES if not _degree_problem(module, cluster, t)]
+
+
+def _degree_problem(module: Module, cluster: ClusterSpec, t: int) -> str | None:
+    if t < 1:
+        return "the degree must be at least 1"
+    if cluster.devices_per_node % t:
+        return f"a tensor group must sit in one node, and {t} does not divide its {cluster.devices_per_node} devices"
+    if t > 1 and not any(op.attrs.tp_role for op in module.ops):
+        return "the model has no tensor-parallel pattern (run the 'tensor-parallel' pass; see docs/passes.md)"
+    return _split_problem(module, t)
+
+
+def _split_problem(module: Module, t: int) -> str | None:
+    """Where a split dimension (of a value or a parameter) does not divide into `t` members (each of its parts)."""
+    splits: list[tuple[str, tuple[int, ...] | None, int | None, int | None]] = [
+        (f"value %{op.name}", getattr(op.type, "shape", None), op.attrs.tp_dim, op.attrs.tp_parts) for op in module.ops
+    ]
+    splits += [(f"parameter @{p.name}", p.type.shape, p.attrs.tp_dim, p.attrs.tp_parts) for p in module.params]
+    for name, shape, dim, count in splits:
+        parts = count or 1
+        if dim is not None and shape is not None and shape[dim] % (t * parts):
+            return f"{name} splits dimension {dim} of {list(shape)} into {parts} part(s), not divisible by {t}"
+    return None
+
+
+def _grouped_cuts(problem: Problem, cuts: tuple[int, ...]) -> tuple[int, ...]:
+    """Pinned cuts (module layer boundaries) as boundaries of the problem's layers (`Problem.layer_map`)."""
+    if not problem.layer_map:
+        return cuts
+    inside = [c for c in cuts if c not in problem.layer_map]
+    if inside:
+        raise PlanError(
+            f"plan: tensor-parallel {problem.tp}: a pinned cut at layer {inside[0]} falls inside a tensor-parallel "
+            "pattern (between a column-parallel matmul and its row-parallel partner), whose split values cannot "
+            "cross stages; cut at a block boundary"
+        )
+    return tuple(problem.layer_map.index(c) for c in cuts)
+
+
+def _search_degrees(
+    module: Module, cluster: ClusterSpec, global_batch: int, request: Request, forced: int, score: Score | None
+) -> tuple[Problem, Outcome]:
+    """The best plan over the tensor-parallel degrees (`tensor_degrees`): one search per degree on its grouped view
+    of the cluster, the fastest outcome by its own ranking (simulated where `score` is given). A degree where no
+    plan fits loses; where none fits at all, the error of degree 1 (or of the forced one) stands."""
+    best: tuple[Problem, Outcome] | None = None
+    failure: PlanError | None = None
+    for t in tensor_degrees(module, cluster, forced):
+        problem = problem_from_module(module, cluster, global_batch, t)
+        try:
+            asked = dataclasses.replace(request, tensor_parallel=t, cuts=_grouped_cuts(problem, request.cuts))
+            outcome = search(problem, asked, score)
+        except PlanError as exc:
+            failure = failure or exc
+            continue
+        if best is None or outcome.chosen.time_s < best[1].chosen.time_s:
+            if best is not None:
+                outcome.explain.append(f"tensor-parallel {best[0].tp}: best {best[1].chosen.time_s:.4f} s, lost")
+            best = (problem, outcome)
+        else:
+            best[1].explain.append(f"tensor-parallel {t}: best {outcome.chosen.time_s:.4f} s, lost")
+    if best is None:
+        assert failure is not None
+        raise failure
+    return best
 
 
 Costs = tuple[float | None, float | None, float | None]

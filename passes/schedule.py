@@ -65,15 +65,15 @@ class Schedule(Pass):
             by_slot = schedules.build_schedule(kind, request)
             orders = {
                 rank: by_slot.get((slot[0], 0) if module.stages[slot[0]].split else slot, [])
-                for rank, (_device, slot) in enumerate(device_slots)
+                for rank, (_device, slot, _k) in enumerate(device_slots)
             }
             module.attrs.schedule = kind
         if set(orders) - set(range(len(device_slots))):
             extra = sorted(set(orders) - set(range(len(device_slots))))
             raise ScheduleError(f"schedule: the order names ranks {extra}, but the stages use {len(device_slots)}")
         module.programs = [
-            _program(module.stages, rank, device, slot, groups, orders.get(rank, []))
-            for rank, (device, slot) in enumerate(device_slots)
+            _program(module.stages, rank, (device, slot, k), groups, orders.get(rank, []))
+            for rank, (device, slot, k) in enumerate(device_slots)
         ]
         check_compute_order(module)
         # The built-in schedules are deadlock-free by construction (and `verify` checks their lowering);
@@ -152,8 +152,9 @@ def _place(stages: list[Stage], groups: int) -> None:
     if all(s.attrs.devices is None for s in stages):
         next_device = 0
         for stage in stages[:groups]:
-            stage.attrs.devices = tuple(range(next_device, next_device + stage.replicas))
-            next_device += stage.replicas
+            width = stage.replicas * stage.tp
+            stage.attrs.devices = tuple(range(next_device, next_device + width))
+            next_device += width
     for k, stage in enumerate(stages):
         lead = stages[k % groups]
         if lead.attrs.devices is None:
@@ -167,28 +168,34 @@ def _place(stages: list[Stage], groups: int) -> None:
             )
 
 
-def _device_slots(stages: list[Stage], groups: int) -> list[tuple[int, schedules.Slot]]:
-    """(device, slot) for each rank, ranks in ascending device order."""
-    owner: dict[int, schedules.Slot] = {}
+def _device_slots(stages: list[Stage], groups: int) -> list[tuple[int, schedules.Slot, int]]:
+    """(device, slot, tensor rank) for each rank, ranks in ascending device order: a replica of a stage with
+    tp = T has T ranks, members 0..T-1 of its tensor group, which all follow the replica's order."""
+    owner: dict[int, tuple[schedules.Slot, int]] = {}
     for g, stage in enumerate(stages[:groups]):
-        for j, device in enumerate(stage.attrs.devices or ()):
+        for index, device in enumerate(stage.attrs.devices or ()):
             if device in owner:
-                other = stages[owner[device][0]].name
+                other = stages[owner[device][0][0]].name
                 raise ScheduleError(
                     f"schedule: device {device} holds both @{other} and @{stage.name}; only virtual stages of "
                     "an interleaved schedule (virtual=V) share devices"
                 )
-            owner[device] = (g, j)
-    return sorted(owner.items())
+            owner[device] = ((g, index // stage.tp), index % stage.tp)
+    return [(device, slot, k) for device, (slot, k) in sorted(owner.items())]
 
 
 def _program(
-    stages: list[Stage], rank: int, device: int, slot: schedules.Slot, groups: int, order: list[schedules.Work]
+    stages: list[Stage],
+    rank: int,
+    where: tuple[int, schedules.Slot, int],
+    groups: int,
+    order: list[schedules.Work],
 ) -> RankProgram:
-    g, replica = slot
+    device, (g, replica), k = where
     hosted = tuple(s.name for s in stages[g::groups])
     instrs = [Instr(w.kind, stage=stages[w.stage], mb=w.mb) for w in order]
-    return RankProgram(f"rank{rank}", instrs, ProgramAttrs(rank=rank, device=device, replica=replica, stages=hosted))
+    attrs = ProgramAttrs(rank=rank, device=device, replica=replica, tensor_rank=k or None, stages=hosted)
+    return RankProgram(f"rank{rank}", instrs, attrs)
 
 
 def _refuse_deadlock(module: Module, spec: str) -> None:

@@ -61,10 +61,16 @@ class _Lowering:
     def __init__(self, module: Module) -> None:
         self.module = module
         self.b = module.attrs.microbatch_size or 0
-        self.rank_of: dict[tuple[str, int], int] = {}
+        # Ranks by (stage, replica, tensor rank); the transfers are planned between tensor rank 0 of each replica
+        # (the lead) and mapped onto the members by `member`.
+        self.rank_of: dict[tuple[str, int, int], int] = {}
+        self.replica_of: dict[int, int] = {}
+        self.tensor_of: dict[int, int] = {}
         for index, program in enumerate(module.programs):
+            k = program.attrs.tensor_rank or 0
+            self.replica_of[index], self.tensor_of[index] = program.attrs.replica or 0, k
             for name in program.attrs.stages or ():
-                self.rank_of[(name, program.attrs.replica or 0)] = index
+                self.rank_of[(name, program.attrs.replica or 0, k)] = index
         self.crossings = crossings(module)
         self.into: dict[Stage, list[Crossing]] = {s: [] for s in module.stages}
         self.out_of: dict[Stage, list[Crossing]] = {s: [] for s in module.stages}
@@ -88,13 +94,22 @@ class _Lowering:
                     "rows alone, unlike one device on the whole microbatch; replicate this stage round robin"
                 )
         self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
-        self.groups: dict[Stage, tuple[int, ...]] = {}
+        self.groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
 
-    def peer(self, stage: Stage, replica: int) -> int:
-        key = (stage.name, replica % stage.replicas)
+    def peer(self, stage: Stage, replica: int, k: int = 0) -> int:
+        key = (stage.name, replica % stage.replicas, k)
         if key not in self.rank_of:
-            raise ScheduleError(f"lower-comm: no rank hosts replica {key[1]} of stage @{stage.name}")
+            member = f" (tensor rank {k})" if stage.tp > 1 else ""
+            raise ScheduleError(f"lower-comm: no rank hosts replica {key[1]}{member} of stage @{stage.name}")
         return self.rank_of[key]
+
+    def member(self, stage: Stage, lead: int, k: int) -> int:
+        """Tensor rank `k` of the replica of `stage` whose lead (tensor rank 0) is rank `lead`."""
+        return self.peer(stage, self.replica_of[lead], k)
+
+    def lead(self, rank: int, stage: Stage) -> int:
+        """The lead of `rank`'s replica of `stage`: the rank the transfers are planned for."""
+        return self.peer(stage, self.replica_of[rank])
 
     def holders(self, stage: Stage, mb: int) -> list[tuple[int, int, int]]:
         """(rank, lo, hi) of each replica of `stage` that computes rows [lo, hi) of microbatch `mb`."""
@@ -153,11 +168,12 @@ class _Lowering:
             if instr.kind in INPUT_GRAD_KINDS:
                 out += self.grad_recvs(rank, stage, mb)
             out.append(instr)
+            out += self.tensor_reduces(rank, instr)
             if instr.kind is InstrKind.FORWARD:
                 out += self.sends(rank, stage, mb)
             if instr.kind in INPUT_GRAD_KINDS:
                 out += self.grad_sends(rank, index, stage, mb, last_grad)
-        out += self.stage_allreduces(program)
+        out += self.stage_allreduces(rank, program)
         out += self.tied_allreduces(rank)
         out.append(Instr(InstrKind.OPTIMIZER_STEP))
         out += [Instr(InstrKind.ALL_GATHER, stage=i.stage, group=i.group) for i in out if i.kind is _SHARD_REDUCE]
@@ -176,45 +192,75 @@ class _Lowering:
                     last_grad[(c.value, instr.mb)] = index
         return first_use, last_grad
 
+    # Between tensor groups, receiver member i takes from sender member i % T_sender (a boundary value is whole on
+    # every member), for values and gradients alike; a sender member j so serves every receiver i = j mod T_sender.
+
     def recvs(self, rank: int, index: int, stage: Stage, mb: int, first_use: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
+        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.into[stage]:
             if first_use[(c.value, mb)] != index:
                 continue
             for p in self.pieces(c, mb):
-                if p.dst == rank and p.src != rank:
-                    _add(out, Instr(InstrKind.RECV, value=c.value, mb=mb, peer=p.src, rows=p.rows))
+                if p.dst == lead and p.src != lead:
+                    src = self.member(c.producer, p.src, k % c.producer.tp)
+                    _add(out, Instr(InstrKind.RECV, value=c.value, mb=mb, peer=src, rows=p.rows))
         return out
 
     def sends(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
+        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.out_of[stage]:
             for p in self.pieces(c, mb):
-                if p.src == rank and p.dst != rank:
-                    _add(out, Instr(InstrKind.SEND, value=c.value, mb=mb, peer=p.dst, rows=p.rows))
+                if p.src == lead and p.dst != lead:
+                    for i in range(k, c.consumer.tp, stage.tp):
+                        dst = self.member(c.consumer, p.dst, i)
+                        _add(out, Instr(InstrKind.SEND, value=c.value, mb=mb, peer=dst, rows=p.rows))
         return out
 
     def grad_recvs(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
+        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.out_of[stage]:
             if c.value not in self.grads:
                 continue
             for p in self.pieces(c, mb):
-                if p.src == rank and p.dst != rank:
-                    _add(out, Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=p.dst, rows=p.rows))
+                if p.src == lead and p.dst != lead:
+                    src = self.member(c.consumer, p.dst, k % c.consumer.tp)
+                    _add(out, Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=src, rows=p.rows))
         return out
 
     def grad_sends(self, rank: int, index: int, stage: Stage, mb: int, last_grad: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
+        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.into[stage]:
             if c.value not in self.grads or last_grad[(c.value, mb)] != index:
                 continue
             for p in self.pieces(c, mb):
-                if p.dst == rank and p.src != rank:
-                    _add(out, Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=p.src, rows=p.rows))
+                if p.dst == lead and p.src != lead:
+                    for i in range(k, c.producer.tp, stage.tp):
+                        dst = self.member(c.producer, p.src, i)
+                        _add(out, Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=dst, rows=p.rows))
         return out
 
-    def stage_allreduces(self, program: RankProgram) -> list[Instr]:
+    def tensor_reduces(self, rank: int, instr: Instr) -> list[Instr]:
+        """The tensor_allreduces that run inside compute `instr` of a stage with tp > 1 (listed after it): the
+        row-parallel results of a forward (and of a backward's re-run forward, recomputing), then the gradients of
+        the column-parallel ops' whole inputs of a backward that computes input gradients."""
+        stage, mb = instr.stage, instr.mb
+        assert stage is not None
+        if stage.tp == 1 or instr.kind is InstrKind.BACKWARD_WEIGHT:
+            return []
+        replica = self.replica_of[rank]
+        group = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
+        values: list[tuple[Op, bool]] = []
+        if instr.kind is InstrKind.FORWARD or stage.recompute:
+            values += [(op, False) for op in _forward_reduces(stage.ops)]
+        if instr.kind in INPUT_GRAD_KINDS:
+            values += [(op, True) for op in _backward_reduces(stage.ops)]
+        return [Instr(InstrKind.TENSOR_ALLREDUCE, value=v, grad=g, mb=mb, group=group) for v, g in values]
+
+    def stage_allreduces(self, rank: int, program: RankProgram) -> list[Instr]:
         # After the last compute, latest stage first: every replica of a device group hosts the same stages,
         # so all members meet the collectives in the same order and no allreduce waits on a pending recv.
         order = {s.name: i for i, s in enumerate(self.module.stages)}
@@ -223,20 +269,28 @@ class _Lowering:
             stage = self.module.stage(name)
             if stage.replicas > 1:
                 kind = _SHARD_REDUCE if stage.sharded else InstrKind.ALLREDUCE
-                out.append(Instr(kind, stage=stage, group=self.group(stage)))
+                out.append(Instr(kind, stage=stage, group=self.group(stage, self.tensor_of[rank])))
         return out
 
-    def group(self, stage: Stage) -> tuple[int, ...]:
-        """The ranks of a stage's replicas, ascending (asked once per stage, not once per member)."""
-        found = self.groups.get(stage)
+    def group(self, stage: Stage, k: int) -> tuple[int, ...]:
+        """The ranks of a stage's replicas with tensor rank `k`, ascending (asked once per stage and member)."""
+        found = self.groups.get((stage, k))
         if found is None:
-            found = self.groups[stage] = tuple(sorted(self.peer(stage, j) for j in range(stage.replicas)))
+            found = self.groups[(stage, k)] = tuple(sorted(self.peer(stage, j, k) for j in range(stage.replicas)))
         return found
 
     def tied_allreduces(self, rank: int) -> list[Instr]:
         out: list[Instr] = []
+        k = self.tensor_of[rank]
         for name in sorted(self.tied, key=[p.name for p in self.module.params].index):
-            group = {self.rank_of[(s.name, j)] for s in self.tied[name] for j in range(s.replicas)}
+            holders = self.tied[name]
+            if len({s.tp for s in holders}) > 1:
+                listed = ", ".join(f"@{s.name} (tp = {s.tp})" for s in holders)
+                raise ScheduleError(
+                    f"lower-comm: parameter @{name} is read by stages {listed}; stages sharing a tied parameter "
+                    "need one tensor-parallel degree, so that each member sums its copy's gradient with its peers'"
+                )
+            group = {self.rank_of[(s.name, j, k)] for s in holders for j in range(s.replicas)}
             if rank in group and len(group) > 1:
                 out.append(Instr(InstrKind.ALLREDUCE, param=name, group=tuple(sorted(group))))
         return out
@@ -245,6 +299,18 @@ class _Lowering:
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
 _SHARD_REDUCE = InstrKind.REDUCE_SCATTER
+
+
+def _forward_reduces(ops: list[Op]) -> list[Op]:
+    return [op for op in ops if op.attrs.tp_role == "row"]
+
+
+def _backward_reduces(ops: list[Op]) -> list[Op]:
+    seen: dict[Op, None] = {}
+    for op in ops:
+        if op.attrs.tp_role == "col":
+            seen.update((v, None) for v in op.operands[:1] if v.attrs.tp_dim is None and v.kind is not OpKind.INPUT)
+    return list(seen)
 
 
 def _add(out: list[Instr], instr: Instr) -> None:

@@ -36,9 +36,10 @@ def _as_factor(text: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def static_bytes(module: Module, ops: list[Op]) -> float:
-    """Parameters, their gradients and optimizer state for the parameters `ops` read."""
-    param_bytes = module.param_bytes_of(ops)
+def static_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
+    """Parameters, their gradients and optimizer state for the parameters `ops` read (one member's share of them in a
+    tensor group of `tp`: `Module.param_bytes_of`)."""
+    param_bytes = module.param_bytes_of(ops, tp)
     buffers = _buffer_bytes(module, ops)
     return param_bytes * (2.0 + optimizer_state_factor(module.attrs.optimizer)) + buffers
 
@@ -54,7 +55,12 @@ def shardable_param_bytes(module: Module, stage: Stage) -> float:
     read is allreduced and stepped whole, `allreduce param`), and an imported profile's unnamed `param_bytes`."""
     others = {n for s in module.stages if s is not stage for op in s.ops for n in op.attrs.params or ()}
     own = {n for op in stage.ops for n in op.attrs.params or ()} - others
-    named = sum(p.nbytes for p in module.params if p.name in own and not p.attrs.buffer)
+    t = stage.tp
+    named = sum(
+        p.nbytes / t if t > 1 and p.attrs.tp_dim is not None else p.nbytes
+        for p in module.params
+        if p.name in own and not p.attrs.buffer
+    )
     return named + sum(op.attrs.param_bytes or 0.0 for op in stage.ops)
 
 
@@ -72,6 +78,9 @@ def batch_scale(module: Module) -> float:
     return b / c
 
 
-def activation_bytes(module: Module, ops: list[Op]) -> float:
-    """Bytes `ops` keep for backward for one microbatch."""
-    return batch_scale(module) * sum(op.attrs.act_bytes or 0.0 for op in ops)
+def activation_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
+    """Bytes `ops` keep for backward for one microbatch (on one member of a tensor group of `tp`: 1/tp of what the
+    ops it splits keep, `Op.tensor_split`)."""
+    return batch_scale(module) * sum(
+        (op.attrs.act_bytes or 0.0) / (tp if tp > 1 and op.tensor_split else 1) for op in ops
+    )

@@ -180,7 +180,7 @@ class Sizes:
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
 
     def activation(self, stage: Stage) -> float:
-        return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops))
+        return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops, stage.tp))
 
     def weight_pass(self, stage: Stage) -> float:
         return _memo(self.held, stage, lambda: weight_pass_bytes(self.module, stage))
@@ -203,7 +203,7 @@ class Sizes:
 
     def param_bytes(self, stages: list[Stage] | tuple[Stage, ...]) -> float:
         """Trainable parameter bytes the stages read (`Module.param_bytes_of`)."""
-        return _memo(self.params, tuple(stages), lambda: self.module.param_bytes_of(_ops(stages)))
+        return _memo(self.params, tuple(stages), lambda: self.module.param_bytes_of(_ops(stages), _tp(stages)))
 
     def static_of(self, stages: list[Stage]) -> float:
         """Parameters, gradients and optimizer state of the stages a rank hosts; a sharded stage's (ZeRO-1)
@@ -217,7 +217,12 @@ class Sizes:
             for s in stages
             if s.sharded
         )
-        return memory.static_bytes(self.module, _ops(stages)) - saved
+        return memory.static_bytes(self.module, _ops(stages), _tp(stages)) - saved
+
+
+def _tp(stages: list[Stage] | tuple[Stage, ...]) -> int:
+    """The tensor-parallel degree of the stages one rank hosts (virtual stages share their devices, so their T)."""
+    return stages[0].tp if stages else 1
 
 
 def _ops(stages: list[Stage] | tuple[Stage, ...]) -> list[Op]:

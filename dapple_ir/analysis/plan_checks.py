@@ -71,12 +71,15 @@ def _where(module: Module | None, program: RankProgram, index: int) -> str:
 
 
 def check_compute_order(module: Module) -> None:
-    """Each stage runs each microbatch's forward once, on the replica that owns it, then its backward once."""
+    """Each stage runs each microbatch's forward once, on the replica that owns it, then its backward once (on every
+    member of the replica's tensor group, `StageAttrs.tp`)."""
     m = module.attrs.microbatches or 0
     owner = {
-        (name, p.attrs.replica or 0): index for index, p in enumerate(module.programs) for name in p.attrs.stages or ()
+        (name, p.attrs.replica or 0, p.attrs.tensor_rank or 0): index
+        for index, p in enumerate(module.programs)
+        for name in p.attrs.stages or ()
     }
-    done: dict[tuple[Stage, int, int], list[InstrKind]] = {}
+    done: dict[tuple[Stage, int, int, int], list[InstrKind]] = {}
     for index, program in enumerate(module.programs):
         for i, instr in enumerate(program.instrs):
             if instr.kind not in COMPUTE_KINDS or instr.stage is None or instr.mb is None:
@@ -84,27 +87,33 @@ def check_compute_order(module: Module) -> None:
             stage, mb = instr.stage, instr.mb
             # Every replica of a split stage runs every microbatch (its rows of it).
             replica = (program.attrs.replica or 0) if stage.split else mb % stage.replicas
-            expected = owner.get((stage.name, replica))
+            k = program.attrs.tensor_rank or 0
+            expected = owner.get((stage.name, replica, k))
             if expected != index:
                 raise VerifyError(
                     f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
                     f"{replica}, which is rank {expected}"
                 )
-            problem = _order_problem(done.setdefault((stage, mb, replica), []), instr.kind)
+            problem = _order_problem(done.setdefault((stage, mb, replica, k), []), instr.kind)
             if problem:
                 raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
-            done[(stage, mb, replica)].append(instr.kind)
+            done[(stage, mb, replica, k)].append(instr.kind)
     for stage in module.stages:
         for mb in range(m):
             for replica in range(stage.replicas) if stage.split else (mb % stage.replicas,):
-                kinds = done.get((stage, mb, replica), [])
-                if kinds not in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT):
-                    got = ", ".join(k.value for k in kinds) or "nothing"
-                    which = f" replica {replica}" if stage.split else ""
-                    raise VerifyError(
-                        f"verify: @{stage.name}{which} mb={mb} runs {got}; every forward needs exactly one backward "
-                        "(or one backward_input and one backward_weight)"
-                    )
+                for k in range(stage.tp):
+                    _check_complete(stage, mb, replica, k, done.get((stage, mb, replica, k), []))
+
+
+def _check_complete(stage: Stage, mb: int, replica: int, k: int, kinds: list[InstrKind]) -> None:
+    if kinds not in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT):
+        got = ", ".join(kind.value for kind in kinds) or "nothing"
+        which = f" replica {replica}" if stage.split else ""
+        which += f" tensor rank {k}" if stage.tp > 1 else ""
+        raise VerifyError(
+            f"verify: @{stage.name}{which} mb={mb} runs {got}; every forward needs exactly one backward "
+            "(or one backward_input and one backward_weight)"
+        )
 
 
 _SPLIT = [InstrKind.FORWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT]

@@ -81,6 +81,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the plan faster or fit), none (the default) or all",
     )
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="T",
+        help="tensor-parallel degree of every stage (Megatron-LM's, inside a node: 1, 2, 4 or 8); default: the "
+        "planner searches it where the model has the patterns (docs/passes.md, tensor-parallel)",
+    )
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        metavar="D",
+        help="replicas of every stage (one data-parallel degree, as Megatron-LM's); default: chosen per stage",
+    )
+    p.add_argument(
         "--replication",
         choices=REPLICATION,
         default="auto",
@@ -156,6 +169,8 @@ def _compile(
         recompute=args.recompute,
         replication=args.replication,
         zero=args.zero,
+        tensor_parallel=args.tensor_parallel,
+        data_parallel=args.data_parallel,
         precision=args.precision,
         split_at=tuple(name.strip() for name in (args.split_at or "").split(",") if name.strip()),
         log=log,

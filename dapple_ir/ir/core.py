@@ -305,6 +305,13 @@ class Op:
     """Typed attributes."""
 
     @property
+    def tensor_split(self) -> bool:
+        """Does a tensor group (`StageAttrs.tp` > 1) split the op's work: a column- or row-parallel matmul, or an op
+        on split values (`OpAttrs.tp_role`, `tp_dim`)? Each member then does 1/T of it and holds 1/T of its result
+        (a row-parallel op's result is whole after the sum, its saved input split)."""
+        return self.attrs.tp_role is not None or self.attrs.tp_dim is not None
+
+    @property
     def out_bytes(self) -> float:
         """Bytes of the result at the module's batch (the attribute wins where set)."""
         if self.attrs.out_bytes is not None:
@@ -529,8 +536,9 @@ class Module:
     def inputs(self) -> list[Op]:
         return [op for op in self.ops if op.kind is OpKind.INPUT]
 
-    def param_bytes_of(self, ops: list[Op]) -> float:
-        """Bytes of the trainable parameters (and profile `param_bytes`) that `ops` read."""
+    def param_bytes_of(self, ops: list[Op], tp: int = 1) -> float:
+        """Bytes of the trainable parameters (and profile `param_bytes`) that `ops` read; with `tp` > 1, what one
+        member of a tensor group of `tp` holds of them (1/tp of each parameter it splits, `ParamAttrs.tp_dim`)."""
         table = {p.name: p for p in self.params}
         seen: set[str] = set()
         total = 0.0
@@ -542,5 +550,5 @@ class Module:
                 seen.add(name)
                 p = table[name]
                 if not p.attrs.buffer:
-                    total += p.nbytes
+                    total += p.nbytes / tp if tp > 1 and p.attrs.tp_dim is not None else p.nbytes
         return total

@@ -182,10 +182,11 @@ class _Verifier:
             devices = stage.attrs.devices
             if stage.replicas < 1:
                 raise VerifyError(f"verify: stage @{stage.name} has {stage.replicas} replicas; at least 1")
-            if devices is not None and len(devices) != stage.replicas:
+            if devices is not None and len(devices) != stage.replicas * stage.tp:
+                per = f" of tp = {stage.tp} devices each" if stage.tp > 1 else ""
                 raise VerifyError(
-                    f"verify: stage @{stage.name} has {stage.replicas} replicas but "
-                    f"{len(devices)} devices {list(devices)}; give one device per replica"
+                    f"verify: stage @{stage.name} has {stage.replicas} replicas{per} but "
+                    f"{len(devices)} devices {list(devices)}; give {stage.replicas * stage.tp} devices, replica-major"
                 )
             if devices is not None and len(set(devices)) != len(devices):
                 raise VerifyError(f"verify: stage @{stage.name} puts two replicas on one device: {list(devices)}")
@@ -241,6 +242,8 @@ class _Verifier:
             return "free needs a microbatch and exactly one of a stage or a value"
         if kind is InstrKind.ALLREDUCE:
             return self.allreduce_problem(instr, rank, n_ranks)
+        if kind is InstrKind.TENSOR_ALLREDUCE:
+            return self.tensor_problem(instr, rank, n_ranks)
         if kind in COLLECTIVE_KINDS:
             return self.shard_problem(instr, rank, n_ranks)
         return None
@@ -259,6 +262,14 @@ class _Verifier:
             )
         if any(not 0 <= r < n_ranks for r in instr.group):
             return f"{name} group {list(instr.group)} names a rank outside 0..{n_ranks - 1}"
+        return None
+
+    def tensor_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
+        """A tensor_allreduce: a value summed over a tensor group that holds this rank."""
+        if instr.value is None or instr.mb is None or instr.group is None:
+            return "tensor_allreduce needs a value, a microbatch and a group"
+        if rank not in instr.group or any(not 0 <= r < n_ranks for r in instr.group):
+            return f"tensor_allreduce group {list(instr.group)} must hold this rank ({rank}), within 0..{n_ranks - 1}"
         return None
 
     def allreduce_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:

@@ -7,7 +7,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dapple_ir.planner.baselines import all_baselines, interleaved_variant, time_balanced_partition
+from dapple_ir.planner.baselines import (
+    all_baselines,
+    interleaved_variant,
+    time_balanced_partition,
+    uniform_partition,
+)
 from dapple_ir.planner.cost_model import (
     POLICIES,
     Candidate,
@@ -130,6 +135,26 @@ def even_groups(problem: Problem, req: Request) -> list[Scored]:
             cand = candidate(problem, bounds, [n // p] * p, m, "1f1b", req.policy or "append-first", "even-groups")
             if cand is not None:
                 found.append(Scored(cand, evaluate(problem, cand)))
+    return found
+
+
+def forced_grid(problem: Problem, req: Request, schedule: str) -> list[Scored]:
+    """With `data_parallel` D asked for: S stages of D replicas each (the S asked for, else every S that fits), cut
+    at equal layer counts (Megatron-LM's rule) and at balanced times, for each microbatch count the request allows:
+    the plans the searches, which choose replicas per stage, may not list."""
+    d = req.data_parallel or 1
+    n = problem.cluster.num_devices
+    ms = [req.microbatches] if req.microbatches else microbatch_choices(problem.global_batch, n)
+    found = []
+    for p in [req.stages] if req.stages else range(1, n // d + 1):
+        for partition in (uniform_partition, time_balanced_partition):
+            bounds = partition(problem, p)
+            if bounds is None:
+                continue
+            for m in ms:
+                cand = candidate(problem, bounds, [d] * p, m, schedule, req.policy or "append-first", "forced-grid")
+                if cand is not None:
+                    found.append(Scored(cand, evaluate(problem, cand)))
     return found
 
 

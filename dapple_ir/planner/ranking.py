@@ -9,10 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dapple_ir.errors import PlanError
-from dapple_ir.planner.cost_model import Problem
+from dapple_ir.planner.cost_model import Candidate, Problem
 from dapple_ir.planner.explain import explain_lines
 from dapple_ir.planner.gather import (
     even_groups,
+    forced_grid,
     gather,
     interleaved_variants,
     leanest_candidates,
@@ -136,15 +137,25 @@ def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tu
             if groups not in bases:
                 base_req = dataclasses.replace(req, schedule="1f1b", stages=groups)
                 bases[groups] = gather(problem, base_req, "1f1b") + even_groups(problem, base_req)
+                if req.data_parallel:
+                    bases[groups] += forced_grid(problem, base_req, "1f1b")
             pool += interleaved_variants(problem, bases[groups], v)
+        pool = [s for s in pool if _keeps_replicas(s.cand, req)]
         return "1f1b", unique(zero_variants(problem, req, pool))
     found = [s for s in propose(problem, req, schedule) if keeps_cuts(s.cand, req)]
+    if req.data_parallel:
+        found = [s for s in found + forced_grid(problem, req, schedule) if _keeps_replicas(s.cand, req)]
     pool = replication_variants(problem, req, found)
     if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = recompute_variants(problem, req, schedule, pool)
     pool = zero_variants(problem, req, pool)
     # Recomputation's own searches propose cuts of their own: with pinned cuts, only those stay.
     return schedule, unique([s for s in pool if keeps_cuts(s.cand, req)])
+
+
+def _keeps_replicas(cand: Candidate, req: Request) -> bool:
+    """Does `cand` give every stage the replicas `req.data_parallel` asks for (or does the request leave them free)?"""
+    return req.data_parallel is None or all(st.replicas == req.data_parallel for st in cand.stages)
 
 
 def _first_accepted(

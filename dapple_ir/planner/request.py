@@ -50,6 +50,12 @@ class Request:
     """`auto`, `none` or `all`: shard the optimizer state of replicated stages (ZeRO-1, `planner.zero`). `none` by
     default until the simulator prices reduce_scatter and all_gather (it runs them as free now), so that its
     ranking cannot favour a sharded twin for collectives it does not see."""
+    tensor_parallel: int | None = None
+    """Tensor-parallel degree of every stage (Megatron-LM's, `pricing.tensor`); the problem is then one member's on
+    the grouped cluster. None: the caller (`plan`) searches the degrees."""
+    data_parallel: int | None = None
+    """Replicas of every stage (data parallelism, as Megatron-LM and torchtitan give one degree to all stages);
+    None: the planner chooses per stage (DAPPLE's uneven replication)."""
     cuts: tuple[int, ...] = ()
     """Layer boundaries where a stage must begin (`--split-at`, `analysis.module_cuts.split_layers`): the
     stages are these and only these; the planner chooses replication, placement, microbatches and schedule."""
@@ -102,6 +108,14 @@ def validate(problem: Problem, req: Request) -> None:
             f"ask for {2 * req.virtual} stages or more (stages counts every virtual stage)"
         )
     _validate_cuts(problem, req)
+    if req.data_parallel is not None and (
+        req.data_parallel < 1 or req.data_parallel * (req.stages or 1) > problem.cluster.num_devices
+    ):
+        groups = f" tensor groups of {problem.tp}" if problem.tp > 1 else " devices"
+        raise PlanError(
+            f"data-parallel {req.data_parallel} x {req.stages or 1} stage(s) needs that many{groups}, but cluster "
+            f"{problem.cluster.name} has {problem.cluster.num_devices}"
+        )
     for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
         if count is not None and count < 1:
             raise PlanError(f"{what} must be auto or a positive integer, not {count}")

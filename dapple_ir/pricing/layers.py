@@ -11,12 +11,14 @@ allreduce of a device group (`ring`, `dapple_ir.pricing.collectives`). The IR's 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
+from typing import Any
 
 from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving
 from dapple_ir.analysis.peak_memory import param_ops
@@ -35,6 +37,7 @@ from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
 from dapple_ir.pricing.collectives import RingAllreduce, ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+from dapple_ir.pricing.tensor import backward_reduces, forward_reduces, grouped_cluster, shard_roofline
 
 
 @dataclass
@@ -85,6 +88,15 @@ class Problem:
     `lower-comm` leaves it out of their stage allreduces and sums it once over every device holding it."""
     state_factor: float = 2.0
     """Optimizer state bytes per parameter byte (`analysis.memory.optimizer_state_factor`; Adam: 2)."""
+    tp: int = 1
+    """Tensor-parallel degree of every stage (`pricing.tensor`): the costs above are one member's, and `cluster` is
+    the grouped view of `base_cluster` (a device per tensor group of `tp`, `tensor.grouped_cluster`)."""
+    base_cluster: ClusterSpec | None = None
+    """The real cluster where `tp` > 1 (None: `cluster` is it)."""
+    layer_map: tuple[int, ...] = ()
+    """Where the problem's layers are groups of the module's (tensor parallelism: no cut inside a pattern, whose
+    split values cannot cross a stage boundary): the module layer each begins at, and the module's layer count
+    last. Empty: layer k is the module's layer k."""
     network: Network = field(init=False, repr=False, compare=False)
     """The cluster's links (built from `cluster`)."""
 
@@ -282,10 +294,13 @@ def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
     return found
 
 
-def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int) -> Problem:
-    """The planner's view of a coarsened module (`module.layers` must be set)."""
+def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int, tp: int = 1) -> Problem:
+    """The planner's view of a coarsened module (`module.layers` must be set); with `tp` > 1, of one member of each
+    stage's tensor groups of `tp` devices on the grouped cluster (`pricing.tensor`)."""
     if not module.layers:
         raise PlanError(f"module @{module.name} has no layers; run 'coarsen' before 'plan'")
+    if tp > 1:
+        return _tensor_problem(module, cluster, global_batch, tp)
     state = optimizer_state_factor(module.attrs.optimizer)
     factor = 2.0 + state
     static, grads = [], []
@@ -328,6 +343,140 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int)
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),
     )
+
+
+def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: int) -> Problem:
+    """`problem_from_module` for tensor groups of `t`: each layer's ops priced per member (a split op's FLOPs and
+    bytes over `t`, its fixed part whole; `tensor.shard_roofline`), plus the group's sums of row-parallel results
+    (forward) and column-parallel inputs' gradients (backward) on the node's fabric, their latency in the fixed part;
+    a member's share of the parameters and activations; on the grouped view of `cluster`."""
+    whole = problem_from_module(module, cluster, global_batch)
+    kind = cluster.device(0)
+    priced = roofline_ops(module, cluster)
+    ring = ring_allreduce(whole.network, range(t))
+    scale = whole.cost_batch / whole.batch
+    state = whole.state_factor
+    fwd: list[float] = []
+    bwd: list[float] = []
+    fwd_fixed: list[float] = []
+    bwd_fixed: list[float] = []
+    acts: list[float] = []
+    static: list[float] = []
+    grads: list[float] = []
+    models: list[tuple[OpRoofline, ...]] = []
+    for layer in module.layers:
+        f = b = ff = bf = act = 0.0
+        shards: list[OpRoofline] = []
+        for op in layer.ops:
+            split = op.tensor_split
+            act += (op.attrs.act_bytes or 0.0) / (t if split else 1)
+            if op in priced:
+                model = shard_roofline(priced[op], t) if split else priced[op]
+                shards.append(model)
+                of, ob = model.times(whole.cost_batch, kind)
+            else:
+                of, ob = op.attrs.fwd_s or 0.0, op.attrs.bwd_s or 0.0
+                xf, xb = fixed_s(of, kind), fixed_s(ob, kind)
+                of, ob = (xf + (of - xf) / t, xb + (ob - xb) / t) if split else (of, ob)
+                ff, bf = ff + xf, bf + xb
+            f, b = f + of, b + ob
+        for values, into_fwd in ((forward_reduces(layer.ops), True), (backward_reduces(layer.ops), False)):
+            nbytes = sum(v.out_bytes for v in values) * scale
+            if nbytes <= 0:
+                continue
+            extra, fixed = ring.seconds(nbytes), ring.fixed_s * len(values)
+            f, ff = (f + extra, ff + fixed) if into_fwd else (f, ff)
+            b, bf = (b, bf) if into_fwd else (b + extra, bf + fixed)
+        params = module.param_bytes_of(layer.ops, t)
+        buffers = sum(
+            p.nbytes
+            for p in module.params
+            if p.attrs.buffer and any(p.name in (o.attrs.params or ()) for o in layer.ops)
+        )
+        for table, value in ((fwd, f), (bwd, b), (fwd_fixed, ff), (bwd_fixed, bf), (acts, act), (grads, params)):
+            table.append(value)
+        static.append(params * (2.0 + state) + buffers)
+        models.append(tuple(shards))
+    return _merged(
+        whole,
+        _pattern_groups(module),
+        fwd_s=fwd,
+        bwd_s=bwd,
+        fwd_fixed_s=fwd_fixed,
+        bwd_fixed_s=bwd_fixed,
+        act_bytes=acts,
+        static_bytes=static,
+        grad_bytes=grads,
+        roofline=models if priced else [],
+        weight_op_bytes=[module.param_bytes_of(param_ops(module, layer.ops), t) for layer in module.layers],
+        cluster=grouped_cluster(cluster, t),
+        tp=t,
+        base_cluster=cluster,
+    )
+
+
+def _pattern_groups(module: Module) -> list[int]:
+    """Bounds [0, ..., L] of the groups of the module's layers that no split value (`OpAttrs.tp_dim`) crosses."""
+    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
+    inside: set[int] = set()
+    for op in module.ops:
+        for v in op.operands:
+            made, used = layer_of.get(v), layer_of.get(op)
+            if v.attrs.tp_dim is not None and made is not None and used is not None and used > made:
+                inside.update(range(made + 1, used + 1))
+    return [k for k in range(len(module.layers) + 1) if k not in inside]
+
+
+def _merged(whole: Problem, bounds: list[int], **per_layer: Any) -> Problem:
+    """`whole` with the per-layer lists in `per_layer` (and the rest of `whole`'s fields: `tp`, `cluster`, ...) and
+    its layers grouped by `bounds` (module layers [bounds[g], bounds[g + 1]) become layer g): sums of times, bytes
+    and op lists, the cut after a group's last layer, each tied parameter counted once in a group holding two of its
+    readers; `layer_map` records `bounds`."""
+    groups = list(itertools.pairwise(bounds))
+    group_of = {k: g for g, (lo, hi) in enumerate(groups) for k in range(lo, hi)}
+    fields_ = {f: per_layer.get(f, getattr(whole, f)) for f in _SUMMED if per_layer.get(f, getattr(whole, f))}
+
+    def summed(values: Sequence[Any], lo: int, hi: int) -> Any:
+        return sum(values[lo:hi], start=()) if isinstance(values[lo], tuple) else sum(values[lo:hi])
+
+    merged = {f: [summed(v, lo, hi) for lo, hi in groups] for f, v in fields_.items()}
+    tied = []
+    for nbytes, layers in whole.tied:
+        readers = Counter(group_of[k] for k in layers)
+        for g, count in readers.items():
+            merged["grad_bytes"][g] -= (count - 1) * nbytes
+            merged["static_bytes"][g] -= (count - 1) * nbytes * (2.0 + whole.state_factor)
+        if len(readers) > 1:
+            tied.append((nbytes, tuple(sorted(readers))))
+    cuts = per_layer.get("cut_bytes", whole.cut_bytes)
+    return replace(
+        whole,
+        **{k: v for k, v in per_layer.items() if k not in merged},
+        **merged,
+        cut_bytes=[cuts[hi - 1] for _lo, hi in groups],
+        names=[f"{whole.names[lo]}..{whole.names[hi - 1]}" if hi - lo > 1 else whole.names[lo] for lo, hi in groups],
+        tied=tied,
+        unsplittable=frozenset(group_of[k] for k in whole.unsplittable),
+        unsliceable=frozenset(
+            group_of[k] for k in whole.unsliceable if k + 1 in group_of and group_of[k + 1] != group_of[k]
+        ),
+        layer_map=tuple(bounds),
+    )
+
+
+#: The per-layer lists a merge of layers sums (op lists concatenated).
+_SUMMED = (
+    "fwd_s",
+    "bwd_s",
+    "act_bytes",
+    "static_bytes",
+    "grad_bytes",
+    "fwd_fixed_s",
+    "bwd_fixed_s",
+    "roofline",
+    "weight_ops",
+    "weight_op_bytes",
+)
 
 
 def _unsliceable_cuts(module: Module) -> frozenset[int]:

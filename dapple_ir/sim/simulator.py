@@ -113,6 +113,7 @@ from dapple_ir.plan_dir import read_module
 from dapple_ir.pricing.collectives import ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
 from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.pricing.tensor import tensor_reduce_s
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
 from dapple_ir.units import format_bytes, format_seconds
 
@@ -374,9 +375,11 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
         return program.attrs.device
     replica = program.attrs.replica or 0
     for name in program.attrs.stages or ():
-        devices = module.stage(name).attrs.devices
-        if devices is not None and replica < len(devices):
-            return devices[replica]
+        stage = module.stage(name)
+        devices = stage.attrs.devices
+        index = replica * stage.tp + (program.attrs.tensor_rank or 0)
+        if devices is not None and index < len(devices):
+            return devices[index]
     return rank
 
 
@@ -406,6 +409,7 @@ _SEND, _RECV, _ALLREDUCE, _OPTIMIZER_STEP, _FREE, _LOAD = (
     InstrKind.FREE,
     InstrKind.LOAD_MICROBATCH,
 )
+_TENSOR = InstrKind.TENSOR_ALLREDUCE
 #: Group collectives: each blocks its members until its ring ends (ZeRO-1's two halves as the allreduce).
 _COLLECTIVES = frozenset({InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER})
 
@@ -524,6 +528,7 @@ class _Simulator:
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
+        self.tensor: dict[tuple[Op, int], float] = {}
         posts = [_posts(module, rank, self.sizes) for rank in range(len(module.programs))]
         # Per rank, (instruction index, bytes) of each change of its live memory under its receives' posts.
         self.changes = [changes for _, changes in posts]
@@ -559,7 +564,7 @@ class _Simulator:
                 lo, hi = rows(stage)
                 key = (stage, lo, hi, kind.name)
                 if key not in durations:
-                    times = prices.stage_times(stage.ops, hi - lo, kind)
+                    times = prices.stage_times(stage.ops, hi - lo, kind, stage.tp)
                     durations[key] = _durations(module, stage, times, kind, fractions[stage])
                 fwd[stage], bwd[stage], bwd_input[stage], bwd_weight[stage] = durations[key]
             tables.append((fwd, bwd, bwd_input, bwd_weight))
@@ -579,6 +584,25 @@ class _Simulator:
             () if state.sharing.is_free(path) else path,
             self.network.latency(a, b),
         )
+        return found
+
+    def tensor_s(self, rank: int, instr: Instr) -> float:
+        """Seconds of a tensor_allreduce on `rank`: a ring over its tensor group on the node's fabric, of the value's
+        bytes at the rows the rank's replica computes (`pricing.tensor.tensor_reduce_s`). The group's members run
+        alike, so it is priced as the rank's own time; it does not share the links with other traffic here."""
+        value = instr.value
+        assert value is not None and instr.group is not None
+        key = (value, rank)
+        found = self.tensor.get(key)
+        if found is None:
+            nbytes = self.sizes.transferred(value)
+            b = self.module.attrs.microbatch_size
+            stage = next((s for s in self.hosted[rank] if s.split), None)
+            if stage is not None and b:
+                lo, hi = replica_rows(self.module, self.module.programs[rank].attrs.replica or 0)(stage)
+                nbytes *= (hi - lo) / b
+            devices = [self.devices[g] for g in instr.group]
+            found = self.tensor[key] = tensor_reduce_s(self.network, devices, nbytes)
         return found
 
     def optimizer_s(self, rank: int) -> float:
@@ -725,6 +749,8 @@ class _Simulator:
                 d = bwd_weight[instr.stage]  # type: ignore[index]
             elif kind is _OPTIMIZER_STEP:
                 d = step_s
+            elif kind is _TENSOR:
+                d = self.tensor_s(r, instr)
             else:
                 st[i] = en[i] = t
                 i += 1
