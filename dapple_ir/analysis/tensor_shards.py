@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dapple_ir.ir import Module, Op, OpKind, Param, TensorType, TupleType
+from dapple_ir.ir import Module, Op, OpKind, Param
+from dapple_ir.ir.verifier import is_tensor_split, tensor_split_problem
 
 #: Degrees a tensor group may have by default: powers of two up to a node's eight devices.
 DEFAULT_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
@@ -38,17 +39,18 @@ def forward_reduces(ops: Iterable[Op]) -> list[Op]:
 
 def backward_reduces(ops: Iterable[Op]) -> list[Op]:
     """The distinct whole inputs of the column-parallel ops of `ops`: the gradient of each (its bytes) is
-    summed over the group in the backward, once however many column-parallel ops read it."""
+    summed over the group in the backward, once however many column-parallel ops read it (a model input has
+    no gradient to sum)."""
     seen: dict[Op, None] = {}
     for op in ops:
-        if op.attrs.tp_role == "col" and op.operands:
+        if op.attrs.tp_role == "col" and op.operands and op.operands[0].kind is not OpKind.INPUT:
             seen.setdefault(op.operands[0], None)
     return list(seen)
 
 
 def is_split(op: Op) -> bool:
     """Is `op`'s value held in pieces by a tensor group (not a parameter read: every stage loads its own)?"""
-    return op.attrs.tp_dim is not None and op.kind is not OpKind.GET_ATTR
+    return is_tensor_split(op)
 
 
 def crosses_split(values: Iterable[Op]) -> Op | None:
@@ -72,63 +74,9 @@ def split_params(module: Module, ops: Iterable[Op]) -> list[Param]:
 def tp_ok(module: Module, ops: list[Op], t: int, users: dict[Op, list[Op]] | None = None) -> str | None:
     """None if a stage holding `ops` can run on a tensor group of `t`, else a one-line reason naming the op
     or parameter: every split dimension (of results, parameters) divides into `tp_parts` * `t` pieces, and no
-    split value enters or leaves the set (a pattern cut by a stage boundary). `users` (from `module.users()`)
-    saves recomputing it when called for many sets."""
-    if t == 1:
-        return None
-    for op in ops:
-        reason = _result_reason(op, t)
-        if reason:
-            return reason
-    for p in split_params(module, ops):
-        reason = _divides(f"parameter @{p.name}", p.type.shape, p.attrs.tp_dim, p.attrs.tp_parts, t)
-        if reason:
-            return reason
-    return _boundary_reason(module, ops, users)
-
-
-def _result_reason(op: Op, t: int) -> str | None:
-    if not is_split(op):
-        return None
-    shapes = [op.type.shape] if isinstance(op.type, TensorType) else []
-    if isinstance(op.type, TupleType):
-        shapes = [e.shape for e in op.type.elements if isinstance(e, TensorType)]
-    for shape in shapes:
-        reason = _divides(f"op %{op.name}", shape, op.attrs.tp_dim, op.attrs.tp_parts, t)
-        if reason:
-            return reason
-    return None
-
-
-def _divides(what: str, shape: tuple[int, ...], dim: int | None, parts: int | None, t: int) -> str | None:
-    if dim is None:
-        return None
-    if not 0 <= dim < len(shape):
-        return f"{what} splits dimension {dim}, which its shape {list(shape)} does not have"
-    size, parts = shape[dim], parts or 1
-    if size % (parts * t) == 0:
-        return None
-    if parts > 1 and size % parts == 0:
-        size_text = f"size {size}: {parts} parts of {size // parts}, which is"
-    else:
-        size_text = f"size {size}, which is"
-    return f"{what} splits dimension {dim} of {list(shape)} ({size_text} not a multiple of T = {t})"
-
-
-def _boundary_reason(module: Module, ops: list[Op], users: dict[Op, list[Op]] | None) -> str | None:
-    inside = set(ops)
-    for op in ops:
-        outer = next((o for o in op.operands if is_split(o) and o not in inside), None)
-        if outer is not None:
-            return f"op %{op.name} reads split %{outer.name} from outside the stage (a cut inside a pattern)"
-    if not any(is_split(op) for op in ops):
-        return None
-    users = users if users is not None else module.users()
-    for op in ops:
-        reader = next((u for u in users.get(op, ()) if u not in inside), None) if is_split(op) else None
-        if reader is not None:
-            return f"split %{op.name} is read by %{reader.name} outside the stage (a cut inside a pattern)"
-    return None
+    split value enters or leaves the set (a pattern cut by a stage boundary). The verifier's own check of
+    stages with `tp` > 1; `users` (from `module.users()`) saves recomputing it when called for many sets."""
+    return tensor_split_problem(module, ops, t, users)
 
 
 def degrees(

@@ -24,6 +24,7 @@ from dapple_ir.ir import (
     OpKind,
     RankProgram,
     Stage,
+    TensorType,
     TupleType,
 )
 from dapple_ir.ir.printer import Namer, format_type, print_module
@@ -80,6 +81,7 @@ class _Verifier:
         self.check_groups("layer", self.module.layers, require_all=bool(self.module.layers))
         self.check_groups("stage", self.module.stages, require_all=bool(self.module.stages))
         self.check_stages()
+        self.check_tensor_parallel()
         self.check_programs()
 
     def check_numbers(self) -> None:
@@ -195,6 +197,20 @@ class _Verifier:
             path = " -> ".join(f"@{name}" for name in cycle)
             raise VerifyError(f"verify: stages form a cycle ({path}): a pipeline's values must flow one way")
 
+    def check_tensor_parallel(self) -> None:
+        """Stages on tensor groups (`tp` > 1): their split dimensions divide, no split value crosses their edge."""
+        users = None
+        for stage in self.module.stages:
+            if stage.tp == 1:
+                continue
+            users = users if users is not None else self.module.users()
+            problem = tensor_split_problem(self.module, stage.ops, stage.tp, users)
+            if problem:
+                raise VerifyError(
+                    f"verify: stage @{stage.name} runs on tensor groups of tp = {stage.tp} devices, but {problem}; "
+                    "give the stage a degree its split dimensions divide by, or cut it at the end of a pattern"
+                )
+
     def check_programs(self) -> None:
         n = len(self.module.programs)
         on_device: dict[int, str] = {}
@@ -288,3 +304,67 @@ def _problems(first: str | None, rest: Iterator[str]) -> Iterator[str]:
     if first:
         yield first
     yield from rest
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+
+
+def is_tensor_split(op: Op) -> bool:
+    """Does a tensor group hold `op`'s value in pieces (`OpAttrs.tp_dim`)? A parameter read is not such a
+    value: every stage loads its own piece of the parameter."""
+    return op.attrs.tp_dim is not None and op.kind is not OpKind.GET_ATTR
+
+
+def tensor_split_problem(module: Module, ops: list[Op], t: int, users: dict[Op, list[Op]] | None = None) -> str | None:
+    """Why a stage holding `ops` cannot run on a tensor group of `t` (None: it can): a split dimension of a
+    result or parameter that does not divide into `tp_parts` * `t` pieces, or a split value that enters or
+    leaves the set (a pattern cut by a stage boundary). `users` (`module.users()`) is computed when not given."""
+    if t == 1:
+        return None
+    for op in ops:
+        shapes = [op.type.shape] if isinstance(op.type, TensorType) else []
+        if isinstance(op.type, TupleType):
+            shapes = [e.shape for e in op.type.elements if isinstance(e, TensorType)]
+        for shape in shapes if is_tensor_split(op) else []:
+            problem = _divides(f"op %{op.name}", shape, op.attrs.tp_dim, op.attrs.tp_parts, t)
+            if problem:
+                return problem
+    names = {name for op in ops for name in op.attrs.params or ()}
+    for p in module.params:
+        problem = _divides(f"parameter @{p.name}", p.type.shape, p.attrs.tp_dim, p.attrs.tp_parts, t)
+        if p.name in names and problem:
+            return problem
+    return _split_edge_problem(module, ops, users)
+
+
+def _divides(what: str, shape: tuple[int, ...], dim: int | None, parts: int | None, t: int) -> str | None:
+    if dim is None:
+        return None
+    if not 0 <= dim < len(shape):
+        return f"{what} splits dimension {dim}, which its shape {list(shape)} does not have"
+    size, parts = shape[dim], parts or 1
+    if size % (parts * t) == 0:
+        return None
+    if parts > 1 and size % parts == 0:
+        size_text = f"size {size}: {parts} parts of {size // parts}, which is"
+    else:
+        size_text = f"size {size}, which is"
+    return f"{what} splits dimension {dim} of {list(shape)} ({size_text} not a multiple of T = {t})"
+
+
+def _split_edge_problem(module: Module, ops: list[Op], users: dict[Op, list[Op]] | None) -> str | None:
+    inside = set(ops)
+    for op in ops:
+        outer = next((o for o in op.operands if is_tensor_split(o) and o not in inside), None)
+        if outer is None:
+            continue
+        what = "row-parallel op" if op.attrs.tp_role == "row" else "op"
+        return f"{what} %{op.name} reads split %{outer.name} from another stage (a cut inside a pattern)"
+    if not any(is_tensor_split(op) for op in ops):
+        return None
+    users = users if users is not None else module.users()
+    for op in ops:
+        reader = next((u for u in users.get(op, ()) if u not in inside), None) if is_tensor_split(op) else None
+        if reader is not None:
+            return f"split %{op.name} is read by %{reader.name} in another stage (a cut inside a pattern)"
+    return None
