@@ -200,6 +200,9 @@ def _call(instr: Instr, namer: Namer, method: str = "") -> str:
         return f"rt.free_stage({stage}, mb={instr.mb})"
     if kind is InstrKind.FREE:
         return f"rt.free({value}, mb={instr.mb}{grad})"
+    if kind is InstrKind.TENSOR_ALLREDUCE:
+        # Runs inside the compute before it; the call checks it did and records its span.
+        return f"rt.tensor_allreduce({value}, mb={instr.mb}, group={tuple(instr.group or ())!r}{grad})"
     if kind is InstrKind.ALLREDUCE and instr.param is not None:
         return f"rt.allreduce_param({json.dumps(instr.param)}, group={tuple(instr.group or ())!r})"
     if kind in COLLECTIVE_KINDS:

@@ -17,6 +17,8 @@ import torch
 
 from dapple_ir import plan_dir
 from dapple_ir.backends.torch.random_draws import Site
+from dapple_ir.backends.torch.tensor_parallel import gather_shards, tensor_groups
+from dapple_ir.backends.torch.worker import hosted_stages
 from dapple_ir.errors import RuntimeFailure
 from dapple_ir.plan_dir import Plan
 from dapple_ir.sim.trace import MemorySample, Span, Timeline, write_trace
@@ -112,6 +114,7 @@ def aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int, 
     seconds = sum(windows[k][1] - windows[k][0] for k in timed)
     rate = plan.global_batch * len(timed) / seconds if seconds > 0 else 0.0
     timeline = _write_timeline(plan, reports, windows) if windows else None
+    states = whole_states(plan, states)
     return RunResult(
         losses=losses,
         first_step=steps[0] if steps else 0,
@@ -127,6 +130,23 @@ def aggregate(plan: Plan, reports: dict[int, dict[str, Any]], states: dict[int, 
         cores=[reports[r].get("cores") for r in sorted(reports)],
         step_s=_periods(windows),
     )
+
+
+def whole_states(plan: Plan, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The ranks' final states with every tensor-parallel parameter (and recorded gradient) whole again: on its
+    tensor group's member 0, put together from the members' slices (`tensor_parallel.gather_shards`)."""
+    groups = tensor_groups(plan.module, lambda r: hosted_stages(plan.module, r))
+    if not groups:
+        return states
+    params = gather_shards(plan.module, {r: s["params"] for r, s in states.items()}, groups)
+    steps = sorted({step for s in states.values() for step in s["grads"]})
+    grads = {
+        step: gather_shards(plan.module, {r: s["grads"].get(step, {}) for r, s in states.items()}, groups)
+        for step in steps
+    }
+    return {
+        r: {**s, "params": params[r], "grads": {step: grads[step][r] for step in s["grads"]}} for r, s in states.items()
+    }
 
 
 def cpu_wait(report: dict[str, Any], windows: list[tuple[float, float]]) -> float | None:

@@ -115,7 +115,9 @@ METERED_STEPS = 2
 #: the meter skips them, so the peak is unchanged and the curve steps down at the next instruction.
 _RELEASING = frozenset({"send", "free"})
 #: The instructions drawn on the communication track.
-COMM_KINDS = frozenset({"send", "recv", "allreduce", "reduce_scatter", "all_gather"})
+COMM_KINDS = frozenset({"send", "recv", "allreduce", "reduce_scatter", "all_gather", "tensor_allreduce"})
+#: The instructions that run a stage's computation.
+_COMPUTES = frozenset({"forward", "backward", "backward_input", "backward_weight"})
 
 
 def _params_on(stages: dict[str, StageModule], device: torch.device) -> list[torch.nn.Parameter]:
@@ -481,6 +483,30 @@ class Runtime:
         with self._instr("free", stage, mb, None):
             self.records.pop((stage, mb), None)
 
+    def tensor_allreduce(self, value: str, mb: int, group: tuple[int, ...], grad: bool = False) -> None:
+        """Check that the compute just before ran the tensor group's sum of `value` (its gradient with `grad`).
+
+        The sum itself runs inside that compute, at the op (`tensor_parallel`): this instruction only keeps the
+        program's count of instructions and records the sum's span (on the communication track, inside the
+        compute's). A sum the compute did not run means the plan and the stage's graph disagree.
+        """
+        index = self._index
+        self._index += 1
+        held = [sm.tensor_group for sm in self.stages.values() if sm.tensor_group is not None]
+        ran = next((g.ran[(value, grad)] for g in held if (value, grad) in g.ran), None)
+        if ran is None and grad and any(value in g.without_grad for g in held):
+            return  # the column-parallel ops' input needed no gradient: nothing to sum
+        if ran is None:
+            sums = sorted(f"%{v}" + (" (grad)" if g else "") for h in held for v, g in h.ran)
+            raise DappleError(
+                f"rank {self.rank}, step {self.step}, tensor_allreduce %{value} mb = {mb}"
+                + (" (grad)" if grad else "")
+                + f" over ranks {list(group)}: the compute before it ran no such sum (it ran: "
+                + (", ".join(sums) or "none")
+                + "); the plan's tensor-parallel ops and the stage's graph disagree"
+            )
+        self.spans.append(Span(self.rank, COMM_TRACK, "tensor_allreduce", ran[0], ran[1], None, mb, None, index))
+
     def allreduce(self, stage: str, group: tuple[int, ...]) -> None:
         with self._instr("allreduce", stage, None, None):
             # Tied parameters are left to their own `allreduce param` over every rank holding a copy.
@@ -546,6 +572,10 @@ class Runtime:
     def _instr(self, kind: str, stage: str | None, mb: int | None, peer: int | None) -> Iterator[None]:
         if kind not in ("send", "recv"):
             self._issue()  # a recv issues them itself, with its own receive
+        if kind in _COMPUTES:
+            for sm in self.stages.values():
+                if sm.tensor_group is not None:  # what the next `tensor_allreduce` checks: this compute's sums
+                    sm.tensor_group.ran.clear()
         start = time.time()
         queued_at = self._run_queue.read()
         index = self._index

@@ -13,11 +13,15 @@ equal a single-device run's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
 
 from dapple_ir.errors import DappleError
+
+if TYPE_CHECKING:
+    from dapple_ir.backends.torch.tensor_parallel import TensorGroup
 
 
 @dataclass
@@ -38,6 +42,8 @@ class StageModule:
     """True for the stage that computes the loss."""
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     """Trainable parameters the stage holds, by their model name (the IR param name)."""
+    tensor_group: TensorGroup | None = None
+    """This rank's tensor group of the stage (`StageAttrs.tp` > 1, `tensor_parallel`); None: the stage runs whole."""
 
 
 def split_stage(

@@ -23,12 +23,19 @@ from dapple_ir.backends.torch.worker import (
     prepare_model,
     train_rank,
 )
-from dapple_ir.errors import RuntimeFailure
+from dapple_ir.errors import DappleError, RuntimeFailure
 from dapple_ir.plan_dir import Plan
 
 
 def run_threads(plan: Plan, options: RunOptions) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     """Train every rank as a thread of this process: (their reports, their final states) by rank."""
+    if options.device == "cuda" and any(stage.tp > 1 for stage in plan.module.stages):
+        # CUDA runs every thread's backward on one autograd device thread: a member blocked in its tensor
+        # group's sum there would keep the other members' backwards from ever reaching theirs.
+        raise DappleError(
+            "the threads transport cannot run tensor-parallel stages (tp > 1) on CUDA: one autograd thread runs "
+            "every rank's backward; use --transport torchrun (one process per rank), or the CPU"
+        )
     prepared = prepare_model(plan)
     hub = ThreadHub(plan.ranks)
     device = torch.device("cuda", 0) if options.device == "cuda" else torch.device("cpu")

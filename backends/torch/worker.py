@@ -36,6 +36,8 @@ from dapple_ir.backends.torch.cores import pin_rank
 from dapple_ir.backends.torch.data import DataFn, check_batch, data_function, synthetic_batch
 from dapple_ir.backends.torch.runtime import DEFAULT_LR, METERED_STEPS, OPTIMIZERS, Runtime, StepData
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
+from dapple_ir.backends.torch.tensor_graph import shard_stage
+from dapple_ir.backends.torch.tensor_parallel import TensorGroup, tensor_groups
 from dapple_ir.backends.torch.transport import DistTransport, Transport, TransportError
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
@@ -222,8 +224,14 @@ def build_runtime(
     names = model_param_names(model)
     nodes = plan.stage_nodes()
     stages: dict[str, StageModule] = {}
+    groups = tensor_groups(plan.module, lambda r: hosted_stages(plan.module, r))
+    replica = plan.module.programs[rank].attrs.replica or 0
     for name in hosted_stages(plan.module, rank):
         stages[name] = split_stage(graph_module, name, nodes[name], names)
+        ranks = groups.get((name, replica))
+        if ranks is not None:  # a tensor-parallel stage: this member's slices and collectives
+            group = TensorGroup(name, ranks, ranks.index(rank), transport, options.timeout)
+            shard_stage(stages[name], plan.module, group)
     del model, graph_module
     value_ids = {op.name: i for i, op in enumerate(plan.module.ops)}
     rows = split_rows(plan.module, rank, plan.microbatch_size)
@@ -629,6 +637,8 @@ def _run_torchrun_rank(
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=options.timeout))
     groups = [tuple(i.group) for p in plan.module.programs for i in p.instrs if i.group]
     groups.append(tuple(range(plan.ranks)))  # the barrier of a checkpoint save
+    # The tensor groups' own (their sums run inside the stages' computations), also where no instruction lists them.
+    groups += tensor_groups(plan.module, lambda r: hosted_stages(plan.module, r)).values()
     transport = DistTransport(groups, device, reuse_buffers=options.reuse_buffers)
     try:
         rt = build_runtime(plan, rank, prepared, transport, options, device)
