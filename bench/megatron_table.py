@@ -131,9 +131,7 @@ def plan_text(module: Any) -> str:
     attrs = module.attrs
     virtual = getattr(attrs, "virtual", None)
     schedule = f"{attrs.schedule} v={virtual}" if virtual and virtual > 1 else str(attrs.schedule)
-    return (
-        f"S={len(stages)} R={replicas}{tp} M={attrs.microbatches} {schedule} recompute {recomputed}/{len(stages)}"
-    )
+    return f"S={len(stages)} R={replicas}{tp} M={attrs.microbatches} {schedule} recompute {recomputed}/{len(stages)}"
 
 
 def floor_s(module: Any, r: MegatronRow) -> float:
@@ -148,9 +146,7 @@ def compile_row(module: Any, r: MegatronRow, options: dict[str, Any]) -> tuple[s
     from dapple_ir.api import compile as compile_plan
 
     started = time.perf_counter()
-    result = compile_plan(
-        copy.deepcopy(module), cluster=r.cluster, global_batch=r.batch, precision="fp16", **options
-    )
+    result = compile_plan(copy.deepcopy(module), cluster=r.cluster, global_batch=r.batch, precision="fp16", **options)
     seconds = time.perf_counter() - started
     return plan_text(result.module), float(result.plan["predicted_iteration_s"]), floor_s(result.module, r), seconds
 
@@ -171,7 +167,11 @@ def add_setting(table: Table, module: Any, r: MegatronRow, setting: str, options
         plan, iteration, floor, seconds = compile_row(module, r, options)
     except Exception as exc:  # a row that cannot plan is reported, and the others still run
         table.add(*head, f"failed: {failure_text(exc)[:240]}", *[None] * 6)
+        print(f"[megatron_table] {r.name} {setting}: failed: {failure_text(exc)}", file=sys.stderr)
         return False
+    print(
+        f"[megatron_table] {r.name} {setting}: {plan}, {iteration:.3f} s, compiled in {seconds:.1f} s", file=sys.stderr
+    )
     tflops = tflops_per_gpu(r, iteration)
     at_floor = eq3_flops(r.batch, SEQ, r.layers, r.hidden, 51_200) / (floor * r.gpus) / 1e12
     table.add(*head, plan, iteration, tflops, tflops / r.tflops, floor, at_floor, seconds)
