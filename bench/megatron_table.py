@@ -129,8 +129,9 @@ def plan_text(module: Any) -> str:
     tp = f" T={','.join(str(t) for t in sorted(tps))}" if tps != {1} else ""
     recomputed = sum(1 for s in stages if s.attrs.recompute)
     attrs = module.attrs
-    virtual = getattr(attrs, "virtual", None)
-    schedule = f"{attrs.schedule} v={virtual}" if virtual and virtual > 1 else str(attrs.schedule)
+    # Interleaved stages share their device groups: V stages per group.
+    virtual = len(stages) // (len({s.attrs.devices for s in stages}) or 1)
+    schedule = f"{attrs.schedule} v={virtual}" if virtual > 1 else str(attrs.schedule)
     return f"S={len(stages)} R={replicas}{tp} M={attrs.microbatches} {schedule} recompute {recomputed}/{len(stages)}"
 
 
