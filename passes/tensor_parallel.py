@@ -62,8 +62,9 @@ def find_patterns(module: Module) -> tuple[Patterns, dict[Op, Linear]]:
     other patterns)."""
     params = {p.name: p for p in module.params}
     users = module.users()
-    linears = {op: lin for op in module.ops if (lin := as_linear(op, params)) is not None}
-    seeds = {op: _fused_parts(op, users) for op, lin in linears.items() if _may_start(lin, params, users)}
+    # A linear that shares its weight (a tied LM head) never splits: neither starts nor closes a pattern.
+    linears = {op: lin for op in module.ops if (lin := as_linear(op, params)) and _owns(lin, params, users)}
+    seeds = {op: _fused_parts(op, users) for op, lin in linears.items() if _is_float(lin.input)}
     reasons: list[str] = []
     while True:
         found = _grow(module, linears, seeds)
@@ -75,13 +76,14 @@ def find_patterns(module: Module) -> tuple[Patterns, dict[Op, Linear]]:
             del seeds[op]
 
 
-def _may_start(lin: Linear, params: dict[str, Param], users: dict[Op, list[Op]]) -> bool:
-    """A column-parallel candidate: its own weight (not tied), read once, of a floating-point input."""
-    x = lin.input.type
-    if not isinstance(x, TensorType) or x.dtype not in FLOAT_DTYPES:
-        return False
+def _owns(lin: Linear, params: dict[str, Param], users: dict[Op, list[Op]]) -> bool:
+    """Does the linear alone read its weight and bias (not tied, each get_attr read once), so they may split?"""
     owned = [lin.weight] + ([lin.bias] if lin.bias else [])
     return not any(params[name].attrs.shared for name in owned) and all(len(users[r]) == 1 for r in lin.reads)
+
+
+def _is_float(value: Op) -> bool:
+    return isinstance(value.type, TensorType) and value.type.dtype in FLOAT_DTYPES
 
 
 def _fused_parts(op: Op, users: dict[Op, list[Op]]) -> int:
