@@ -113,6 +113,16 @@ def _shape(op: Op) -> tuple[int, ...]:
     return op.type.shape if isinstance(op.type, TensorType) else ()
 
 
+def test_bert_splits_its_self_attention_and_feed_forward_and_keeps_the_mlm_head_whole() -> None:
+    roles = _roles(_marked("tests/hf_zoo.py:bert"))
+    for i in range(2):
+        prefix = f"bert.encoder.layer.{i}"
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+            assert roles[f"{prefix}.{name}"] == ("col", None), name
+        assert roles[f"{prefix}.attention.output.dense"] == roles[f"{prefix}.output.dense"] == ("row", None)
+    assert len(roles) == 12, "the MLM head's dense, layer norm and decoder stay replicated"
+
+
 def test_degrees_follow_the_heads_and_a_failure_names_the_op() -> None:
     llama = _marked(LLAMA)
     assert degrees(llama, llama.ops, (1, 2, 3, 4, 8)) == (1, 2), "2 key/value heads allow T = 2 at most"
