@@ -233,3 +233,54 @@ def _call(path: str, operands: list[Op], width: int, module: Module) -> Op:
     op.attrs.params = (f"{path}.weight",)
     module.ops.append(op)
     return op
+
+
+_BETWEEN = """module @m {{
+  param @fc.weight : f32[16,8]
+  param @out.weight : f32[8,16]
+
+  %x = input : f32[4,8] {{index = 0}}
+  %fc = call_module @fc(%x) : f32[4,16] {{params = [@fc.weight]}}
+{between}
+  %out = call_module @out(%back) : f32[4,8] {{params = [@out.weight]}}
+  %loss = call_method @sum(%out) : f32[]
+  %output = output(%loss) : f32[]
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("between", "kept"),
+    [
+        # Features into (heads, head dim) and back: the heads carry the split.
+        ("  %v = call_method @view(%fc) : f32[4,2,8]\n  %back = call_method @reshape(%v) : f32[4,16]", True),
+        # A transpose whose shapes do not tell which dimensions it swapped.
+        (
+            "  %v = call_method @view(%fc) : f32[4,4,4]\n  %back0 = call_method @transpose(%v) : f32[4,4,4]\n"
+            "  %back = call_method @reshape(%back0) : f32[4,16]",
+            False,
+        ),
+        # Heads moved inward before the features are put back together: each member's piece is not contiguous.
+        (
+            "  %v = call_method @view(%fc) : f32[4,2,8]\n  %t = call_method @transpose(%v) : f32[4,8,2]\n"
+            "  %back = call_method @reshape(%t) : f32[4,16]",
+            False,
+        ),
+        # Halves of the split features concatenated back: slices and cat along the split dimension.
+        (
+            "  %a = call_function @aten.slice.Tensor(%fc) : f32[4,8]\n"
+            "  %back = call_function @aten.cat.default(%a, %a) : f32[4,16]",
+            False,
+        ),
+        # A whole value added across the split features.
+        ("  %bias = input : f32[16] {index = 1}\n  %back = call_function @operator.add(%fc, %bias) : f32[4,16]", False),
+        # A whole value broadcast along them (size 1 there).
+        ("  %s = input : f32[4,1] {index = 1}\n  %back = call_function @operator.mul(%fc, %s) : f32[4,16]", True),
+    ],
+    ids=["heads", "ambiguous-transpose", "heads-inward", "cat-split-dim", "whole-across", "whole-broadcast"],
+)
+def test_the_rules_keep_a_split_only_where_the_shapes_prove_it_stays_contiguous(between: str, kept: bool) -> None:
+    module = parse_module(_BETWEEN.format(between=between))
+    TensorParallel().apply(PassContext(), module)
+    roles = [op.attrs.tp_role for op in module.ops if op.attrs.tp_role]
+    assert roles == (["col", "row"] if kept else [])
