@@ -19,16 +19,24 @@ from typing import Any
 import pytest
 import torch
 
+from dapple_ir.api import compile as compile_plan
+from dapple_ir.backends.torch.codegen import emit_rank_programs
+from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.random_draws import StageDraws
+from dapple_ir.backends.torch.results import RunResult
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
 from dapple_ir.backends.torch.tensor_graph import shard_stage
-from dapple_ir.backends.torch.tensor_parallel import TensorGroup, gather_shards, shard_of, whole_of
+from dapple_ir.backends.torch.tensor_parallel import TensorGroup, gather_shards, shard_of, tensor_groups, whole_of
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
+from dapple_ir.backends.torch.worker import hosted_stages
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.frontend.runnable import bind_model
 from dapple_ir.ir import Module, Stage, StageAttrs
+from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.structure import structure_hash
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.plan_dir import load_plan, write_plan_json
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = f"{ROOT}/examples/gpt.py:factory"
@@ -138,3 +146,91 @@ def test_a_member_holds_its_heads_of_each_part_of_a_fused_qkv() -> None:
     assert torch.equal(whole_of(slices, 0, 3), w)
     with pytest.raises(DappleError, match="does not divide"):
         shard_of(w, 0, 3, 0, 3, "parameter @w")
+
+
+# ------------------------------------------------------------------------------ whole plans
+
+CNN = f"{ROOT}/examples/cnn.py:factory"
+OPTIONS: dict[str, Any] = {"optimizer": "adam", "lr": 1e-3, "timeout": 60.0}
+
+
+def _compiled(out: Path, spec: str, cluster: str, stages: int, **extra: Any) -> Path:
+    """`dapple compile SPEC --cluster CLUSTER --global-batch 8 --stages S --microbatches 4 --tensor-parallel 2`."""
+    compile_plan(
+        spec, cluster=cluster, global_batch=8, stages=stages, microbatches=4, tensor_parallel=2, out_dir=out, **extra
+    )
+    return out
+
+
+def _checked(result: RunResult) -> RunResult:
+    assert result.check is not None and result.check.ok, result.check
+    assert result.losses[0] != result.losses[1]  # it trained
+    return result
+
+
+def _members_agree(plan_dir: Path, result: RunResult) -> None:
+    """Every member of a tensor group ends with the very same bits of the parameters it holds whole."""
+    module = load_plan(plan_dir).module
+    groups = tensor_groups(module, lambda r: hosted_stages(module, r))
+    assert groups
+    for ranks in groups.values():
+        lead = result.params[ranks[0]]
+        for other in ranks[1:]:
+            assert result.params[other], other
+            for key, value in result.params[other].items():
+                assert torch.equal(value, lead[key]), (other, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_two_stages_of_two_members_on_four_gloo_ranks_train_like_one_device(spec: str, tmp_path: Path) -> None:
+    plan = _compiled(tmp_path / "plan", spec, "4xcpu", 2)
+    stages = load_plan(plan).module.stages
+    assert [(s.tp, s.replicas) for s in stages] == [(2, 1), (2, 1)]
+    result = _checked(run(plan, steps=2, check=True, transport="torchrun", device="cpu", **OPTIONS))
+    _members_agree(plan, result)
+
+
+@pytest.mark.slow
+def test_a_replicated_stage_of_tensor_groups_trains_like_one_device(tmp_path: Path) -> None:
+    # Six ranks: @s0 two replicas of two members, @s1 one group of two; the tied embedding's and @s0's
+    # allreduces run per tensor rank.
+    plan = _compiled(tmp_path / "plan", GPT, "6xcpu", 2)
+    assert [(s.tp, s.replicas) for s in load_plan(plan).module.stages] == [(2, 2), (2, 1)]
+    result = _checked(run(plan, steps=2, check=True, transport="threads", **OPTIONS))
+    _members_agree(plan, result)
+
+
+def _hand_plan(out: Path, spec: str, tp: int) -> Path:
+    """Two stages of `tp` members each, cut halfway through the ops, no pattern marked: every op replicated."""
+    loaded = load_model_spec(spec, device="cpu", seed=0)
+    assert isinstance(loaded, FactoryResult)
+    module = capture_loaded(loaded).module
+    digest = structure_hash(module)
+    ops, half = list(module.ops), len(module.ops) // 2
+    module.stages = [
+        Stage(f"s{k}", chunk, StageAttrs(replicas=1, devices=tuple(range(k * tp, (k + 1) * tp)), tp=tp))
+        for k, chunk in enumerate([ops[:half], ops[half:]])
+    ]
+    module.attrs.microbatches, module.attrs.microbatch_size, module.attrs.global_batch = 4, 2, 8
+    PassManager(build_pipeline("schedule{kind=1f1b,microbatches=4},lower-comm,insert-frees,verify")).run(module)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.dapple").write_text(print_module(module))
+    meta = {"microbatches": 4, "microbatch_size": 2, "global_batch": 8, "schedule": "1f1b", "model_spec": spec}
+    meta |= {"model_hash": digest, "optimizer": "adam", "lr": 1e-3, "ranks": len(module.programs)}
+    emit_rank_programs(module, out)
+    write_plan_json(out, meta)
+    return out
+
+
+@pytest.mark.slow
+def test_a_model_without_a_pattern_runs_replicated_in_its_tensor_groups_exactly(tmp_path: Path) -> None:
+    wide = _hand_plan(tmp_path / "tp2", CNN, 2)
+    assert "tensor_allreduce" not in (wide / "plan.dapple").read_text()
+    result = _checked(run(wide, steps=2, check=True, transport="threads", **OPTIONS))
+    _members_agree(wide, result)
+    narrow = run(_hand_plan(tmp_path / "tp1", CNN, 1), steps=2, transport="threads", **OPTIONS)
+    assert result.losses == narrow.losses  # the same computation, bit for bit
+    for rank, tensors in narrow.params.items():
+        for key, value in tensors.items():
+            assert torch.equal(result.params[2 * rank][key], value), key

@@ -204,6 +204,8 @@ class Runtime:
         self._index = 0
         self._current: tuple[str, int] | None = None
         self._step_losses: list[tuple[str, int, torch.Tensor]] = []
+        self._owed_sums: list[tuple[str, int, bool, tuple[int, ...], int]] = []
+        """`tensor_allreduce`s whose sum has not run yet: (value, mb, grad, group, instruction index)."""
         self._start_measuring(meter_steps)
 
     def _start_optimizer(self, optimizer: str, lr: float, zero: dict[str, tuple[int, ...]]) -> None:
@@ -247,7 +249,11 @@ class Runtime:
         self.post_log.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        for sm in self.stages.values():
+            if sm.tensor_group is not None:
+                sm.tensor_group.ran.clear()
         train_step(self)
+        self._record_tensor_sums(final=True)
         self._issue()
         for pending in self.pending:
             pending.wait(self.timeout)
@@ -289,6 +295,9 @@ class Runtime:
                     f"microbatch {mb} at step {self.step} is {value} (stage @{stage}); training diverged (lower "
                     "the learning rate) or the data holds NaN/inf"
                 )
+            group = self.stages[stage].tensor_group
+            if group is not None and group.member > 0:
+                continue  # every member of a tensor group computes the whole loss: member 0 reports it
             # A split replica's share of the microbatch loss: the launcher adds the replicas' shares up.
             self.losses.setdefault(self.step, {})[mb] = value if self.rows is None else value * self.loss_share
 
@@ -484,28 +493,40 @@ class Runtime:
             self.records.pop((stage, mb), None)
 
     def tensor_allreduce(self, value: str, mb: int, group: tuple[int, ...], grad: bool = False) -> None:
-        """Check that the compute just before ran the tensor group's sum of `value` (its gradient with `grad`).
+        """Check that the tensor group's sum of `value` (its gradient with `grad`) of microbatch `mb` ran.
 
-        The sum itself runs inside that compute, at the op (`tensor_parallel`): this instruction only keeps the
-        program's count of instructions and records the sum's span (on the communication track, inside the
-        compute's). A sum the compute did not run means the plan and the stage's graph disagree.
+        The sum runs inside the compute before this instruction, at the op (`tensor_parallel`): the call only keeps
+        the program's count of instructions and records the sum's span (on the communication track, inside the
+        compute's). A gradient's sum may come later in the step: zb-h1's `backward_input` of a stage that receives
+        nothing (the first) computes nothing, and its `backward_weight` runs the whole backward. A sum the step
+        never ran means the plan and the stage's graph disagree (`_check_tensor_sums`).
         """
         index = self._index
         self._index += 1
+        self._owed_sums.append((value, mb, grad, tuple(group), index))
+        self._record_tensor_sums(final=False)
+
+    def _record_tensor_sums(self, final: bool) -> None:
+        """Draw the owed tensor-group sums that ran; with `final` (the step's end), refuse one that never did."""
         held = [sm.tensor_group for sm in self.stages.values() if sm.tensor_group is not None]
-        ran = next((g.ran[(value, grad)] for g in held if (value, grad) in g.ran), None)
-        if ran is None and grad and any(value in g.without_grad for g in held):
-            return  # the column-parallel ops' input needed no gradient: nothing to sum
-        if ran is None:
-            sums = sorted(f"%{v}" + (" (grad)" if g else "") for h in held for v, g in h.ran)
-            raise DappleError(
-                f"rank {self.rank}, step {self.step}, tensor_allreduce %{value} mb = {mb}"
-                + (" (grad)" if grad else "")
-                + f" over ranks {list(group)}: the compute before it ran no such sum (it ran: "
-                + (", ".join(sums) or "none")
-                + "); the plan's tensor-parallel ops and the stage's graph disagree"
-            )
-        self.spans.append(Span(self.rank, COMM_TRACK, "tensor_allreduce", ran[0], ran[1], None, mb, None, index))
+        owed, self._owed_sums = self._owed_sums, []
+        for value, mb, grad, group, index in owed:
+            ran = next((g.ran[(value, grad, mb)] for g in held if (value, grad, mb) in g.ran), None)
+            if ran is not None:
+                self.spans.append(
+                    Span(self.rank, COMM_TRACK, "tensor_allreduce", ran[0], ran[1], None, mb, None, index)
+                )
+            elif grad and any(value in g.without_grad for g in held):
+                continue  # the column-parallel ops' whole input needed no gradient: nothing to sum
+            elif not final:
+                self._owed_sums.append((value, mb, grad, group, index))
+            else:
+                raise DappleError(
+                    f"rank {self.rank}, step {self.step}, tensor_allreduce %{value} mb = {mb}"
+                    + (" (grad)" if grad else "")
+                    + f" over ranks {list(group)}: no computation of the step ran that sum; the plan's "
+                    "tensor-parallel ops and the stage's graph disagree"
+                )
 
     def allreduce(self, stage: str, group: tuple[int, ...]) -> None:
         with self._instr("allreduce", stage, None, None):
@@ -574,8 +595,8 @@ class Runtime:
             self._issue()  # a recv issues them itself, with its own receive
         if kind in _COMPUTES:
             for sm in self.stages.values():
-                if sm.tensor_group is not None:  # what the next `tensor_allreduce` checks: this compute's sums
-                    sm.tensor_group.ran.clear()
+                if sm.tensor_group is not None:  # the microbatch the tensor groups' sums of this compute belong to
+                    sm.tensor_group.mb = mb
         start = time.time()
         queued_at = self._run_queue.read()
         index = self._index

@@ -20,8 +20,9 @@ so the values a tensor group holds whole stay equal on all its members, and so d
 (replicated) parameters: no collective over the tensor group is needed for those. 16-bit partial results are
 summed in fp32 and rounded once.
 
-Each sum is logged (`TensorGroup.ran`) with its start and end, for the rank program's `tensor_allreduce`
-instruction, which follows the compute that runs the collective and checks it ran (`Runtime.tensor_allreduce`).
+Each sum is logged (`TensorGroup.ran`) with its microbatch, start and end, for the rank program's
+`tensor_allreduce` instruction, which follows the compute that runs the collective: it checks that the sum ran
+and draws it (`Runtime.tensor_allreduce`).
 `gather_shards` puts the members' slices back together (for `--check` and a run's final parameters).
 """
 
@@ -50,8 +51,10 @@ class TensorGroup:
     """This rank's index in `ranks` (`ProgramAttrs.tensor_rank`)."""
     transport: Transport
     timeout: float
-    ran: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
-    """Sums run since the runtime last cleared it (at each compute instruction): (value, grad) -> (start, end)."""
+    mb: int | None = None
+    """The microbatch of the compute running (the runtime sets it as each compute instruction starts)."""
+    ran: dict[tuple[str, bool, int | None], tuple[float, float]] = field(default_factory=dict)
+    """The step's sums so far (the runtime clears it as a step starts): (value, grad, mb) -> (start, end)."""
     without_grad: set[str] = field(default_factory=set)
     """Whole inputs of column-parallel ops that did not need a gradient: their backward sum never runs."""
 
@@ -65,7 +68,7 @@ class TensorGroup:
         total = tensor.to(torch.float32) if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
         total = total.clone(memory_format=torch.contiguous_format)
         self.transport.allreduce(total, self.ranks, self.timeout)
-        self.ran[(value, grad)] = (start, time.time())
+        self.ran[(value, grad, self.mb)] = (start, time.time())
         return total.to(tensor.dtype)
 
 
