@@ -4,8 +4,9 @@ For each row of Narayanan et al., SC'21, Table 1 (`examples/megatron_gpt.py`: GP
 2,048, on (GPUs/8) DGX A100 80 GB nodes) the model is captured once on the meta device and compiled twice with
 `dapple_ir.compile`, in fp16 with Adam:
 
-(a) Megatron's configuration forced: its pipeline stages (`stages`), tensor-parallel size (`tensor_parallel`,
-    where this build has it; a row with TP > 1 is "pending" until it does), full activation recomputation,
+(a) Megatron's configuration forced: its pipeline stages (`stages`), tensor- and data-parallel sizes
+    (`tensor_parallel`, `data_parallel`, where this build has them; without them a row with TP > 1 is
+    "pending" and the replicas are the planner's), full activation recomputation,
     replicas taking whole microbatches of Megatron's microbatch size (`replication=round-robin`,
     `microbatches = batch / MBS`, so that each of the DP = GPUs / (TP PP) replicas of a stage runs
     batch / (DP MBS) microbatches, Megatron's per-pipeline count), and its schedule;
@@ -98,10 +99,10 @@ COLUMNS = [
 
 
 def has_tensor_parallel() -> bool:
-    """Whether this build's `compile` takes a tensor-parallel degree."""
+    """Whether this build's `compile` takes tensor- and data-parallel degrees."""
     from dapple_ir.api import compile as compile_plan
 
-    return "tensor_parallel" in inspect.signature(compile_plan).parameters
+    return {"tensor_parallel", "data_parallel"} <= set(inspect.signature(compile_plan).parameters)
 
 
 def forced_options(r: MegatronRow, tensor_parallel: bool) -> dict[str, Any]:
@@ -118,6 +119,7 @@ def forced_options(r: MegatronRow, tensor_parallel: bool) -> dict[str, Any]:
         options["virtual"] = run.virtual
     if tensor_parallel:
         options["tensor_parallel"] = r.tensor
+        options["data_parallel"] = r.data
     return options
 
 

@@ -60,6 +60,7 @@ def test_forced_configurations_are_megatrons_and_schedulable():
         options = forced_options(r, tensor_parallel=True)
         run = MEGATRON_RUNS[r.name]
         assert options["stages"] == r.pipeline and options["tensor_parallel"] == r.tensor
+        assert options["data_parallel"] == r.data
         assert options["recompute"] == "all" and options["replication"] == "round-robin"
         m = options["microbatches"]
         # Whole microbatches of Megatron's size, each replica its share: batch / (DP * MBS) per pipeline.
@@ -67,7 +68,7 @@ def test_forced_configurations_are_megatrons_and_schedulable():
         if options["schedule"] == "interleaved":
             # Megatron's condition: the microbatches per pipeline divide by its stages.
             assert (m // r.data) % r.pipeline == 0 and (r.layers // r.pipeline) % options["virtual"] == 0
-        assert "tensor_parallel" not in forced_options(r, tensor_parallel=False)
+        assert not {"tensor_parallel", "data_parallel"} & set(forced_options(r, tensor_parallel=False))
 
 
 def test_tiny_model_captures_and_its_parameters_match_the_closed_form():
