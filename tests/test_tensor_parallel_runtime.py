@@ -234,3 +234,42 @@ def test_a_model_without_a_pattern_runs_replicated_in_its_tensor_groups_exactly(
     for rank, tensors in narrow.params.items():
         for key, value in tensors.items():
             assert torch.equal(result.params[2 * rank][key], value), key
+
+
+VARIANTS = [
+    pytest.param(1, {"zero": "all"}, id="zero-1"),
+    pytest.param(1, {"schedule": "zb-h1"}, id="zb-h1"),
+    pytest.param(1, {"recompute": "all"}, id="recompute"),
+    pytest.param(4, {"schedule": "interleaved", "virtual": 2}, id="interleaved"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "extra"), VARIANTS)
+def test_tensor_groups_compose_with_the_other_dimensions(stages: int, extra: dict[str, Any], tmp_path: Path) -> None:
+    """ZeRO-1 over a replicated stage's members of one tensor rank (their slices' optimizer state sharded), zb-h1's
+    split backward (the first stage's whole backward, sums included, runs in backward_weight), recomputation (the
+    forward's sums run again in the backward) and interleaved stages (a rank in two tensor groups)."""
+    plan = _compiled(tmp_path / "plan", GPT, "4xcpu", stages, **extra)
+    result = _checked(run(plan, steps=2, check=True, transport="threads", **OPTIONS))
+    _members_agree(plan, result)
+    if "zero" in extra:
+        assert "reduce_scatter @s0 group = [0, 2]" in (plan / "plan.dapple").read_text()
+        plain = run(_compiled(tmp_path / "plain", GPT, "4xcpu", 1), steps=2, transport="threads", **OPTIONS)
+        assert result.losses == plain.losses
+        for rank, tensors in plain.params.items():
+            assert all(torch.equal(result.params[rank][k], v) for k, v in tensors.items())
+
+
+@pytest.mark.slow
+def test_each_member_checkpoints_its_slices_and_resumes_bitwise(tmp_path: Path) -> None:
+    plan = _compiled(tmp_path / "plan", GPT, "4xcpu", 2)
+    whole = run(plan, steps=4, transport="threads", **OPTIONS)
+    run(plan, steps=2, save=tmp_path / "ckpt", transport="threads", **OPTIONS)
+    saved = [torch.load(tmp_path / "ckpt" / "step_00000002" / f"rank_{r}.pt", weights_only=True) for r in (0, 1)]
+    qkv = [state["stages"]["s0"]["blocks.0.attn.qkv.weight"] for state in saved]
+    assert [tuple(w.shape) for w in qkv] == [(48, 32), (48, 32)] and not torch.equal(qkv[0], qkv[1])
+    resumed = run(plan, steps=2, resume=tmp_path / "ckpt", transport="threads", **OPTIONS)
+    assert resumed.first_step == 2 and resumed.losses == whole.losses[2:]
+    for rank, tensors in whole.params.items():
+        assert all(torch.equal(resumed.params[rank][k], v) for k, v in tensors.items())

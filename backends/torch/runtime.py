@@ -190,6 +190,8 @@ class Runtime:
         self._start_optimizer(optimizer, lr, zero or {})
         self.step = 0
         self.values: dict[tuple[str, int], Any] = {}
+        self.freed: set[tuple[str, int]] = set()
+        """This step's values the program freed (`free`)."""
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
         self.records: dict[tuple[str, int], _Record] = {}
         self.pending: list[Pending] = []
@@ -265,6 +267,7 @@ class Runtime:
         self._check_losses()
         # Whatever the program did not free (a plan without insert-frees) goes now.
         self.values.clear()
+        self.freed.clear()
         self.grads.clear()
         self.records.clear()
         self.parts.clear()
@@ -487,6 +490,7 @@ class Runtime:
             store.pop((value, mb), None)
             if not grad:
                 self.parts.pop((value, mb), None)
+                self.freed.add((value, mb))
 
     def free_stage(self, stage: str, mb: int) -> None:
         with self._instr("free", stage, mb, None):
@@ -758,6 +762,10 @@ class Runtime:
     def _grad_to_send(self, name: str, mb: int) -> torch.Tensor | None:
         if (name, mb) in self.grads:
             return self.grads[(name, mb)]
+        if (name, mb) in self.freed and (name, mb) not in self.values:
+            # Freed before its gradient goes back (a size read off a shape, which no backward adds a gradient to):
+            # nothing depended on it differentiably here, and the receiver treats no gradient as a zero one.
+            return None
         value = self._value(name, mb, "send grad")
         # No stage here depended on it differentiably: a tensor's gradient is zero; a size has none, and
         # the empty message only keeps the send matched with its receive.
