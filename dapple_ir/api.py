@@ -55,7 +55,8 @@ def default_pipeline(
     tensor_parallel: int | None = None,
     data_parallel: int | None = None,
 ) -> str:
-    """The whole default pipeline: costs (not for profiles), coarsen, plan, then the lowering passes.
+    """The whole default pipeline: the tensor-parallel patterns and costs (not for profiles), coarsen, plan, then the
+    lowering passes.
 
     `schedule` takes the kind `plan` chose, so one pass manager runs it all (one numbering of dumps).
     `split_at` (module names where a stage begins) pins the plan's cuts, and coarsen keeps them.
@@ -80,7 +81,8 @@ def default_pipeline(
         options.append(f"split-at={keep}")
     coarsen_options = ([f"max-layers={max_layers}"] if max_layers else []) + ([f"keep={keep}"] if keep else [])
     coarsen = "coarsen{" + ",".join(coarsen_options) + "}" if coarsen_options else "coarsen"
-    front = [] if profile else ["annotate-cost" if precision == "fp32" else f"annotate-cost{{precision={precision}}}"]
+    costs = "annotate-cost" if precision == "fp32" else f"annotate-cost{{precision={precision}}}"
+    front = [] if profile else ["tensor-parallel", costs]
     return ",".join([*front, coarsen, "plan{" + ",".join(options) + "}", "schedule,lower-comm,insert-frees,verify"])
 
 
@@ -244,7 +246,12 @@ def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dic
     a = module.attrs
     return {
         "stages": [
-            {"name": s.name, "nodes": [_node_name(op) for op in s.ops], "devices": list(s.attrs.devices or ())}
+            {
+                "name": s.name,
+                "nodes": [_node_name(op) for op in s.ops],
+                "devices": list(s.attrs.devices or ()),
+                "tensor_parallel": s.tp,
+            }
             for s in module.stages
         ],
         "microbatches": a.microbatches,
@@ -280,7 +287,8 @@ def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu
         devices = list(stage.attrs.devices or ())
         worst = max((peaks.get(str(d), 0.0) for d in devices), default=0.0)
         lines.append(
-            f"  stage {stage.name}: {len(stage.ops)} ops, {stage.replicas} replica(s) on devices {devices}, "
+            f"  stage {stage.name}: {len(stage.ops)} ops, {stage.replicas} replica(s)"
+            f"{f' x tensor-parallel T={stage.tp}' if stage.tp > 1 else ''} on devices {devices}, "
             f"peak {worst / gb:.2f} GB"
         )
     if explain:

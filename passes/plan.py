@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from dapple_ir import schedules
 from dapple_ir.analysis.module_cuts import split_layers
+from dapple_ir.analysis.tensor_shards import tp_ok
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
@@ -148,20 +149,7 @@ def _degree_problem(module: Module, cluster: ClusterSpec, t: int) -> str | None:
         return f"a tensor group must sit in one node, and {t} does not divide its {cluster.devices_per_node} devices"
     if t > 1 and not any(op.attrs.tp_role for op in module.ops):
         return "the model has no tensor-parallel pattern (run the 'tensor-parallel' pass; see docs/passes.md)"
-    return _split_problem(module, t)
-
-
-def _split_problem(module: Module, t: int) -> str | None:
-    """Where a split dimension (of a value or a parameter) does not divide into `t` members (each of its parts)."""
-    splits: list[tuple[str, tuple[int, ...] | None, int | None, int | None]] = [
-        (f"value %{op.name}", getattr(op.type, "shape", None), op.attrs.tp_dim, op.attrs.tp_parts) for op in module.ops
-    ]
-    splits += [(f"parameter @{p.name}", p.type.shape, p.attrs.tp_dim, p.attrs.tp_parts) for p in module.params]
-    for name, shape, dim, count in splits:
-        parts = count or 1
-        if dim is not None and shape is not None and shape[dim] % (t * parts):
-            return f"{name} splits dimension {dim} of {list(shape)} into {parts} part(s), not divisible by {t}"
-    return None
+    return tp_ok(module, module.ops, t)
 
 
 def _grouped_cuts(problem: Problem, cuts: tuple[int, ...]) -> tuple[int, ...]:

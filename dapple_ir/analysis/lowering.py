@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dapple_ir.analysis import tensor_shards
 from dapple_ir.analysis.stage_graph import (
     Crossing,
     batch_dependent,
@@ -255,9 +256,9 @@ class _Lowering:
         group = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
         values: list[tuple[Op, bool]] = []
         if instr.kind is InstrKind.FORWARD or stage.recompute:
-            values += [(op, False) for op in _forward_reduces(stage.ops)]
+            values += [(op, False) for op in tensor_shards.forward_reduces(stage.ops)]
         if instr.kind in INPUT_GRAD_KINDS:
-            values += [(op, True) for op in _backward_reduces(stage.ops)]
+            values += [(op, True) for op in tensor_shards.backward_reduces(stage.ops)]
         return [Instr(InstrKind.TENSOR_ALLREDUCE, value=v, grad=g, mb=mb, group=group) for v, g in values]
 
     def stage_allreduces(self, rank: int, program: RankProgram) -> list[Instr]:
@@ -299,18 +300,6 @@ class _Lowering:
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
 _SHARD_REDUCE = InstrKind.REDUCE_SCATTER
-
-
-def _forward_reduces(ops: list[Op]) -> list[Op]:
-    return [op for op in ops if op.attrs.tp_role == "row"]
-
-
-def _backward_reduces(ops: list[Op]) -> list[Op]:
-    seen: dict[Op, None] = {}
-    for op in ops:
-        if op.attrs.tp_role == "col":
-            seen.update((v, None) for v in op.operands[:1] if v.attrs.tp_dim is None and v.kind is not OpKind.INPUT)
-    return list(seen)
 
 
 def _add(out: list[Instr], instr: Instr) -> None:

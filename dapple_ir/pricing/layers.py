@@ -30,6 +30,7 @@ from dapple_ir.analysis.precision import (
     sixteen_bit_values,
 )
 from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
+from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces
 from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.topology import Network
@@ -37,7 +38,7 @@ from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
 from dapple_ir.pricing.collectives import RingAllreduce, ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.tensor import backward_reduces, forward_reduces, grouped_cluster, shard_roofline
+from dapple_ir.pricing.tensor import grouped_cluster, shard_roofline
 
 
 @dataclass
@@ -439,7 +440,7 @@ def _merged(whole: Problem, bounds: list[int], **per_layer: Any) -> Problem:
     def summed(values: Sequence[Any], lo: int, hi: int) -> Any:
         return sum(values[lo:hi], start=()) if isinstance(values[lo], tuple) else sum(values[lo:hi])
 
-    merged = {f: [summed(v, lo, hi) for lo, hi in groups] for f, v in fields_.items()}
+    merged: dict[str, Any] = {f: [summed(v, lo, hi) for lo, hi in groups] for f, v in fields_.items()}
     tied = []
     for nbytes, layers in whole.tied:
         readers = Counter(group_of[k] for k in layers)
@@ -449,9 +450,10 @@ def _merged(whole: Problem, bounds: list[int], **per_layer: Any) -> Problem:
         if len(readers) > 1:
             tied.append((nbytes, tuple(sorted(readers))))
     cuts = per_layer.get("cut_bytes", whole.cut_bytes)
+    rest: dict[str, Any] = {k: v for k, v in per_layer.items() if k not in merged}
     return replace(
         whole,
-        **{k: v for k, v in per_layer.items() if k not in merged},
+        **rest,
         **merged,
         cut_bytes=[cuts[hi - 1] for _lo, hi in groups],
         names=[f"{whole.names[lo]}..{whole.names[hi - 1]}" if hi - lo > 1 else whole.names[lo] for lo, hi in groups],

@@ -18,32 +18,16 @@ rule applies unchanged; `expand_devices` maps a plan's grouped devices back onto
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
+from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES
 from dapple_ir.cluster.roofline import OpRoofline
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.topology import Network
-from dapple_ir.ir import Op, OpKind
 from dapple_ir.pricing.collectives import ring_allreduce
 
 #: The tensor-parallel degrees the planner tries (Megatron-LM's: powers of two up to a DGX node).
-DEGREES = (1, 2, 4, 8)
-
-
-def forward_reduces(ops: Iterable[Op]) -> list[Op]:
-    """The row-parallel ops among `ops`: each result is summed over the group in every forward."""
-    return [op for op in ops if op.attrs.tp_role == "row"]
-
-
-def backward_reduces(ops: Iterable[Op]) -> list[Op]:
-    """The whole inputs of the column-parallel ops among `ops`, each once (Llama's q, k and v projections read one):
-    each one's gradient is summed over the group in every backward that computes input gradients (a model input
-    has none)."""
-    seen: dict[Op, None] = {}
-    for op in ops:
-        if op.attrs.tp_role == "col":
-            seen.update((v, None) for v in op.operands[:1] if v.attrs.tp_dim is None and v.kind is not OpKind.INPUT)
-    return list(seen)
+DEGREES = DEFAULT_DEGREES
 
 
 def shard_roofline(model: OpRoofline, t: int) -> OpRoofline:
