@@ -27,12 +27,13 @@ from dapple_ir.backends.torch.results import RunResult
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
 from dapple_ir.backends.torch.tensor_graph import shard_stage
 from dapple_ir.backends.torch.tensor_parallel import TensorGroup, gather_shards, shard_of, tensor_groups, whole_of
+from dapple_ir.backends.torch.thread_ranks import run_threads
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
-from dapple_ir.backends.torch.worker import hosted_stages
-from dapple_ir.errors import DappleError
+from dapple_ir.backends.torch.worker import RunOptions, hosted_stages
+from dapple_ir.errors import DappleError, RuntimeFailure
 from dapple_ir.frontend.model_spec import FactoryResult, capture_loaded, load_model_spec
 from dapple_ir.frontend.runnable import bind_model
-from dapple_ir.ir import Module, Stage, StageAttrs
+from dapple_ir.ir import InstrKind, Module, Stage, StageAttrs
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.structure import structure_hash
 from dapple_ir.pass_manager import PassManager, build_pipeline
@@ -53,10 +54,10 @@ class Captured:
     inputs: tuple[Any, ...]
 
 
-def _capture(spec: str) -> Captured:
+def _capture(spec: str, method: str = "auto") -> Captured:
     loaded = load_model_spec(spec, device="cpu", seed=0)
     assert isinstance(loaded, FactoryResult)
-    captured = capture_loaded(loaded)
+    captured = capture_loaded(loaded, method=method)
     module = captured.module
     graph_module = bind_model(captured, loaded.model, loaded.loss_fn)
     inputs = (*loaded.example_inputs, *(loaded.example_kwargs or {}).values(), *loaded.example_targets)
@@ -118,9 +119,13 @@ def _megatron_with_dropout(tmp_path: Path) -> str:
     return f"{spec}:factory"
 
 
-@pytest.mark.parametrize("spec", [GPT, LLAMA, "megatron"], ids=["gpt-fx", "llama-export", "megatron-dropout"])
-def test_a_stage_split_over_two_members_computes_the_whole_stage(spec: str, tmp_path: Path) -> None:
-    c = _capture(_megatron_with_dropout(tmp_path) if spec == "megatron" else spec)
+@pytest.mark.parametrize(
+    ("spec", "method"),
+    [(GPT, "fx"), (GPT, "export"), (LLAMA, "export"), ("megatron", "fx"), ("megatron", "export")],
+    ids=["gpt-fx", "gpt-export", "llama-export", "megatron-dropout-fx", "megatron-dropout-export"],
+)
+def test_a_stage_split_over_two_members_computes_the_whole_stage(spec: str, method: str, tmp_path: Path) -> None:
+    c = _capture(_megatron_with_dropout(tmp_path) if spec == "megatron" else spec, method)
     want_loss, want = _train(_whole_stage(c), c.inputs)
     PassManager(build_pipeline("tensor-parallel")).run(c.module)
     assert {op.attrs.tp_role for op in c.module.ops} == {None, "col", "row"}
@@ -191,7 +196,6 @@ def test_two_stages_of_two_members_on_four_gloo_ranks_train_like_one_device(spec
     _members_agree(plan, result)
 
 
-@pytest.mark.slow
 def test_a_replicated_stage_of_tensor_groups_trains_like_one_device(tmp_path: Path) -> None:
     # Six ranks: @s0 two replicas of two members, @s1 one group of two; the tied embedding's and @s0's
     # allreduces run per tensor rank.
@@ -223,7 +227,6 @@ def _hand_plan(out: Path, spec: str, tp: int) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_a_model_without_a_pattern_runs_replicated_in_its_tensor_groups_exactly(tmp_path: Path) -> None:
     wide = _hand_plan(tmp_path / "tp2", CNN, 2)
     assert "tensor_allreduce" not in (wide / "plan.dapple").read_text()
@@ -244,7 +247,6 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("stages", "extra"), VARIANTS)
 def test_tensor_groups_compose_with_the_other_dimensions(stages: int, extra: dict[str, Any], tmp_path: Path) -> None:
     """ZeRO-1 over a replicated stage's members of one tensor rank (their slices' optimizer state sharded), zb-h1's
@@ -261,7 +263,6 @@ def test_tensor_groups_compose_with_the_other_dimensions(stages: int, extra: dic
             assert all(torch.equal(result.params[rank][k], v) for k, v in tensors.items())
 
 
-@pytest.mark.slow
 def test_each_member_checkpoints_its_slices_and_resumes_bitwise(tmp_path: Path) -> None:
     plan = _compiled(tmp_path / "plan", GPT, "4xcpu", 2)
     whole = run(plan, steps=4, transport="threads", **OPTIONS)
@@ -273,3 +274,27 @@ def test_each_member_checkpoints_its_slices_and_resumes_bitwise(tmp_path: Path) 
     assert resumed.first_step == 2 and resumed.losses == whole.losses[2:]
     for rank, tensors in whole.params.items():
         assert all(torch.equal(resumed.params[rank][k], v) for k, v in tensors.items())
+
+
+def _rewritten(plan_dir: Path, edit: Any) -> Path:
+    """The plan with `edit(module)` applied, its plan.dapple, rank files and plan.json written again."""
+    plan = load_plan(plan_dir)
+    edit(plan.module)
+    (plan_dir / "plan.dapple").write_text(print_module(plan.module))
+    emit_rank_programs(plan.module, plan_dir)
+    write_plan_json(plan_dir, {k: v for k, v in plan.meta.items() if k not in ("digest", "files")})
+    return plan_dir
+
+
+def test_a_sum_the_graph_does_not_run_and_threads_on_cuda_are_refused_by_name(tmp_path: Path) -> None:
+    def misname(module: Module) -> None:
+        instr = next(i for i in module.programs[0].instrs if i.kind is InstrKind.TENSOR_ALLREDUCE and not i.grad)
+        instr.value = next(op for op in module.ops if op.name == "blocks_0_ln1")
+
+    plan = _rewritten(_compiled(tmp_path / "plan", GPT, "4xcpu", 2), misname)
+    with pytest.raises(RuntimeFailure, match=r"rank 0, step 0, tensor_allreduce %blocks_0_ln1 mb = 0 over ranks"):
+        run(plan, steps=1, transport="threads", **OPTIONS)
+    options = RunOptions(steps=1, optimizer="adam", lr=1e-3, timeout=10.0, run_dir=str(tmp_path / "run"))
+    options.device = "cuda"
+    with pytest.raises(DappleError, match="threads transport cannot run tensor-parallel stages"):
+        run_threads(load_plan(plan), options)
