@@ -159,10 +159,10 @@ CNN = f"{ROOT}/examples/cnn.py:factory"
 OPTIONS: dict[str, Any] = {"optimizer": "adam", "lr": 1e-3, "timeout": 60.0}
 
 
-def _compiled(out: Path, spec: str, cluster: str, stages: int, **extra: Any) -> Path:
-    """`dapple compile SPEC --cluster CLUSTER --global-batch 8 --stages S --microbatches 4 --tensor-parallel 2`."""
+def _compiled(out: Path, spec: str, cluster: str, stages: int, tp: int = 2, **extra: Any) -> Path:
+    """`dapple compile SPEC --cluster CLUSTER --global-batch 8 --stages S --microbatches 4 --tensor-parallel TP`."""
     compile_plan(
-        spec, cluster=cluster, global_batch=8, stages=stages, microbatches=4, tensor_parallel=2, out_dir=out, **extra
+        spec, cluster=cluster, global_batch=8, stages=stages, microbatches=4, tensor_parallel=tp, out_dir=out, **extra
     )
     return out
 
@@ -187,11 +187,15 @@ def _members_agree(plan_dir: Path, result: RunResult) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
-def test_two_stages_of_two_members_on_four_gloo_ranks_train_like_one_device(spec: str, tmp_path: Path) -> None:
-    plan = _compiled(tmp_path / "plan", spec, "4xcpu", 2)
-    stages = load_plan(plan).module.stages
-    assert [(s.tp, s.replicas) for s in stages] == [(2, 1), (2, 1)]
+@pytest.mark.parametrize(
+    ("spec", "stages", "tp"), [(GPT, 2, 2), (LLAMA, 2, 2), (GPT, 1, 4)], ids=["gpt", "llama", "gpt-t4"]
+)
+def test_tensor_groups_on_four_gloo_ranks_train_like_one_device(
+    spec: str, stages: int, tp: int, tmp_path: Path
+) -> None:
+    """Two stages of two members (GPT, Llama), or one stage of four (gloo's ring gives all four the same bits)."""
+    plan = _compiled(tmp_path / "plan", spec, "4xcpu", stages, tp)
+    assert [(s.tp, s.replicas) for s in load_plan(plan).module.stages] == [(tp, 1)] * stages
     result = _checked(run(plan, steps=2, check=True, transport="torchrun", device="cpu", **OPTIONS))
     _members_agree(plan, result)
 
