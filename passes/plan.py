@@ -130,8 +130,9 @@ def lower_and_simulate(
 
 def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:
     """The tensor-parallel degrees to plan with: `forced` (refused with the reason where the model or the cluster
-    cannot take it), else each of `pricing.tensor.DEGREES` that divides a node's devices and the model's split
-    widths and heads; 1 alone where the `tensor-parallel` pass found no pattern."""
+    cannot take it; a model without a pattern runs every op replicated in the group), else each of
+    `pricing.tensor.DEGREES` that divides a node's devices and the model's split widths and heads; 1 alone where the
+    `tensor-parallel` pass found no pattern."""
     if forced:
         reason = _degree_problem(module, cluster, forced)
         if reason:
@@ -147,8 +148,6 @@ def _degree_problem(module: Module, cluster: ClusterSpec, t: int) -> str | None:
         return "the degree must be at least 1"
     if cluster.devices_per_node % t:
         return f"a tensor group must sit in one node, and {t} does not divide its {cluster.devices_per_node} devices"
-    if t > 1 and not any(op.attrs.tp_role for op in module.ops):
-        return "the model has no tensor-parallel pattern (run the 'tensor-parallel' pass; see docs/passes.md)"
     return tp_ok(module, module.ops, t)
 
 

@@ -139,3 +139,11 @@ def test_the_planner_keeps_t1_where_tensor_parallelism_does_not_pay() -> None:
     result = api.compile(GPT, cluster="4xcpu", global_batch=8, explain=True)
     assert all(s.tp == 1 for s in result.module.stages)
     assert any("tensor-parallel 2: best" in line for line in result.explain)
+
+
+def test_a_model_without_a_pattern_may_be_forced_to_run_replicated_in_its_groups() -> None:
+    cnn = str(ROOT / "examples" / "cnn.py") + ":factory"
+    module = api.compile(cnn, cluster="4xcpu", global_batch=8, stages=2, microbatches=4, tensor_parallel=2).module
+    assert [s.tp for s in module.stages] == [2, 2]
+    assert not any(op.tensor_split for op in module.ops)
+    assert not any(i.kind is InstrKind.TENSOR_ALLREDUCE for p in module.programs for i in p.instrs)
