@@ -250,14 +250,19 @@ class _Lowering:
         the column-parallel ops' whole inputs of a backward that computes input gradients."""
         stage, mb = instr.stage, instr.mb
         assert stage is not None
-        if stage.tp == 1 or instr.kind is InstrKind.BACKWARD_WEIGHT:
+        if stage.tp == 1:
+            return []
+        # A split backward's input pass runs the column inputs' sums where the stage hands gradients back; one that
+        # hands none back (the first stage) runs its whole backward, those sums included, in the weight pass.
+        hands_back = any(c.value in self.grads for c in self.into[stage])
+        if instr.kind is (InstrKind.BACKWARD_WEIGHT if hands_back else InstrKind.BACKWARD_INPUT):
             return []
         replica = self.replica_of[rank]
         group = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
         values: list[tuple[Op, bool]] = []
-        if instr.kind is InstrKind.FORWARD or stage.recompute:
+        if instr.kind is InstrKind.FORWARD or (stage.recompute and instr.kind is not InstrKind.BACKWARD_WEIGHT):
             values += [(op, False) for op in tensor_shards.forward_reduces(stage.ops)]
-        if instr.kind in INPUT_GRAD_KINDS:
+        if instr.kind in INPUT_GRAD_KINDS or instr.kind is InstrKind.BACKWARD_WEIGHT:
             values += [(op, True) for op in tensor_shards.backward_reduces(stage.ops)]
         return [Instr(InstrKind.TENSOR_ALLREDUCE, value=v, grad=g, mb=mb, group=group) for v, g in values]
 
