@@ -4,7 +4,8 @@ Each (layers, devices) configuration runs in a fresh Python process, so that its
 (`ru_maxrss` of that process, torch included). Phases:
 
 - capture: `examples/gpt.py`'s GPT-2 XL-sized builder with `n_layer` set, on the meta device;
-- plan: `annotate-cost,coarsen,plan` (the default planner) for the cluster;
+- plan: `tensor-parallel,annotate-cost,coarsen,plan` (the default planner, tensor-parallel degrees searched) for
+  the cluster;
 - lower: `schedule{kind=<the plan's>},lower-comm,insert-frees,verify`;
 - emit: print the IR text and generate every rank's `rank_<r>.py` into a temporary directory.
 
@@ -72,7 +73,7 @@ def one_config(layers: int, devices: int, quick: bool) -> dict[str, Any]:
 
         phase = "plan"
         t = time.perf_counter()
-        PassManager(build_pipeline("annotate-cost,coarsen,plan")).run(module, ctx)
+        PassManager(build_pipeline("tensor-parallel,annotate-cost,coarsen,plan")).run(module, ctx)
         result["plan"] = time.perf_counter() - t
         result["stages"] = len(module.stages)
         result["replicas"] = max((s.replicas for s in module.stages), default=0)

@@ -528,7 +528,8 @@ class _Simulator:
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
-        self.tensor: dict[tuple[Op, int], float] = {}
+        # Per rank, the seconds of each value's tensor_allreduce (`tensor_s`), priced once.
+        self.tensor: list[dict[Op, float]] = [{} for _ in module.programs]
         posts = [_posts(module, rank, self.sizes) for rank in range(len(module.programs))]
         # Per rank, (instruction index, bytes) of each change of its live memory under its receives' posts.
         self.changes = [changes for _, changes in posts]
@@ -592,8 +593,7 @@ class _Simulator:
         alike, so it is priced as the rank's own time; it does not share the links with other traffic here."""
         value = instr.value
         assert value is not None and instr.group is not None
-        key = (value, rank)
-        found = self.tensor.get(key)
+        found = self.tensor[rank].get(value)
         if found is None:
             nbytes = self.sizes.transferred(value)
             b = self.module.attrs.microbatch_size
@@ -602,7 +602,7 @@ class _Simulator:
                 lo, hi = replica_rows(self.module, self.module.programs[rank].attrs.replica or 0)(stage)
                 nbytes *= (hi - lo) / b
             devices = [self.devices[g] for g in instr.group]
-            found = self.tensor[key] = tensor_reduce_s(self.network, devices, nbytes)
+            found = self.tensor[rank][value] = tensor_reduce_s(self.network, devices, nbytes)
         return found
 
     def optimizer_s(self, rank: int) -> float:
@@ -709,6 +709,7 @@ class _Simulator:
         its work on shared cores, or for the global clock where it would act on it (start a flow, a ring or shared
         work) at a time when something else happens first. Compute needs no clock: the rank runs ahead on its own."""
         instrs, fwd, bwd, bwd_input, bwd_weight, step_s, own_host, core_path, posts_of = self.of_rank[r]
+        tensor_of = self.tensor[r]
         st, en, replayed = state.starts[r], state.ends[r], state.replayed
         i, t, limit, worked = state.pc[r], state.clock[r], len(instrs), 0.0
         while i < limit:
@@ -750,7 +751,8 @@ class _Simulator:
             elif kind is _OPTIMIZER_STEP:
                 d = step_s
             elif kind is _TENSOR:
-                d = self.tensor_s(r, instr)
+                priced = tensor_of.get(instr.value)  # type: ignore[arg-type]
+                d = self.tensor_s(r, instr) if priced is None else priced
             else:
                 st[i] = en[i] = t
                 i += 1
