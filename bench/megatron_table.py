@@ -182,6 +182,28 @@ def add_setting(table: Table, module: Any, r: MegatronRow, setting: str, options
     return True
 
 
+def relaxations(forced: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Megatron's configuration, then what is left of it where this build cannot plan it: the microbatch count
+    left to the planner (Megatron's microbatch size does not fit where recomputation keeps more than its per-layer
+    checkpoints), then also plain 1F1B for an interleaved schedule (where recomputation is not modelled)."""
+    free = {k: v for k, v in forced.items() if k != "microbatches"}
+    steps = [("(a) Megatron's", forced), ("(a) M free", free)]
+    if forced["schedule"] == "interleaved":
+        plain = {k: v for k, v in free.items() if k != "virtual"}
+        steps.append(("(a) M free, 1f1b", {**plain, "schedule": "1f1b"}))
+    return steps
+
+
+def add_megatrons(table: Table, module: Any, r: MegatronRow, forced: dict[str, Any] | None) -> None:
+    """Megatron's configuration of row `r`, relaxed step by step (`relaxations`) until one compiles."""
+    if forced is None:
+        add_setting(table, module, r, "(a) Megatron's", None)
+        return
+    for setting, options in relaxations(forced):
+        if add_setting(table, module, r, setting, options):
+            return
+
+
 def not_run(table: Table, r: MegatronRow, why: str) -> None:
     table.add(r.name, r.gpus, r.batch, r.tflops, "-", why, *[None] * 6)
 
@@ -201,11 +223,8 @@ def run_rows(
             continue
         module = capture_spec(f"{ROOT / 'examples' / 'megatron_gpt.py'}:{r.factory_name}", device="meta")
         forced = forced_options(r, tensor_parallel) if tensor_parallel or r.tensor == 1 else None
-        if "a" in settings and not add_setting(table, module, r, "(a) Megatron's", forced) and forced is not None:
-            # Megatron's microbatch size may not fit where recomputation keeps more than Megatron's per-layer
-            # checkpoints: the same configuration with the microbatch count left to the planner.
-            free = {k: v for k, v in forced.items() if k != "microbatches"}
-            add_setting(table, module, r, "(a) M free", free)
+        if "a" in settings:
+            add_megatrons(table, module, r, forced)
         if "b" in settings and time.time() - started > budget:
             not_run(table, r, f"(b) not run: past the {budget:.0f} s budget")
         elif "b" in settings:

@@ -91,3 +91,13 @@ def test_the_largest_row_captures_on_meta_quickly():
     module = capture_spec(f"{ROOT / 'examples' / 'megatron_gpt.py'}:factory_1008b", device="meta")
     assert time.perf_counter() - started < 60
     assert sum(1 for op in module.ops if op.attrs.module_path and op.attrs.module_path.endswith("qkv")) == 128
+
+
+def test_relaxations_drop_the_microbatch_count_then_interleaving():
+    from megatron_table import forced_options, relaxations
+
+    steps = relaxations(forced_options(row("76.1B"), tensor_parallel=True))
+    assert [label for label, _ in steps] == ["(a) Megatron's", "(a) M free", "(a) M free, 1f1b"]
+    assert steps[0][1]["virtual"] == 3 and "microbatches" not in steps[1][1]
+    assert steps[2][1]["schedule"] == "1f1b" and "virtual" not in steps[2][1]
+    assert len(relaxations(forced_options(row("1008B"), tensor_parallel=True))) == 2
