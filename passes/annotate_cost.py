@@ -41,6 +41,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
 from dapple_ir.ir import Module, Op, OpKind
 from dapple_ir.planner.cost_model import op_roofline
+from dapple_ir.pricing.layers import gemm_law
 from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 _FREE = (OpKind.INPUT, OpKind.OUTPUT)
@@ -97,9 +98,11 @@ class AnnotateCost(Pass):
         precision = precision_of(module)
         half = sixteen_bit_values(module, precision)
         for op in counted:
-            eff = overrides.get(op.attrs.op_class or "matmul") or spec.efficiency_of(op.attrs.op_class)
+            given = overrides.get(op.attrs.op_class or "matmul")
+            eff = given or spec.efficiency_of(op.attrs.op_class)
+            law = None if given else gemm_law(spec, op.attrs.op_class)
             # Weights are read once whatever the batch; only the activations' share scales.
-            priced = op_roofline(module, op, eff, module.attrs.batch or target, half)
+            priced = op_roofline(module, op, eff, module.attrs.batch or target, half, law)
             op.attrs.fwd_s, op.attrs.bwd_s = priced.times(target, kind)
             if op.attrs.act_bytes is not None and old:
                 op.attrs.act_bytes = op.attrs.act_bytes * target / old

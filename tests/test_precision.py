@@ -17,6 +17,7 @@ from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.pass_manager import PassManager, build_pipeline
+from dapple_ir.pricing.matmul_efficiency import calibration_for
 from dapple_ir.registry import PassContext
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,13 +62,28 @@ def test_bf16_prices_matmuls_at_the_16_bit_peak_and_narrows_their_bytes() -> Non
     ops32 = {op.name: op for op in fp32.ops}  # type: ignore[attr-defined]
     ops16 = {op.name: op for op in bf16.ops}  # type: ignore[attr-defined]
     h100 = PRESETS["H100"]
-    eff = resolve_cluster("1x1xH100").efficiency_of("matmul")
+    # A 16-bit GEMM on a preset with published GEMM figures: the size law's efficiency (`matmul_efficiency`).
+    cal = calibration_for("H100")
+    assert cal is not None and "matmul" not in resolve_cluster("1x1xH100").efficiency
     fc1 = ops16["fc1"]
     weight = 256 * 64 * 4
     moved = weight + (fc1.attrs.mem_bytes - weight) / 2  # activations at 2 bytes, weights read in fp32
-    expected = roofline_times((fc1.attrs.fwd_flops, fc1.attrs.bwd_flops), moved, h100, "bf16", eff)
+    f, b = fc1.attrs.fwd_flops, fc1.attrs.bwd_flops
+    # Compute at ceiling x F / (F + half) of the bf16 peak; the bytes at the ceiling of the bandwidth; plus a call.
+    at = h100.flops("bf16") * cal.ceiling * f / (f + cal.half_flops)
+    bandwidth = h100.mem_bandwidth * cal.ceiling
+    expected = (
+        max(f / at, moved / bandwidth) + h100.op_overhead,
+        max(b / at, 2 * moved / bandwidth) + h100.op_overhead,
+    )
     assert (fc1.attrs.fwd_s, fc1.attrs.bwd_s) == pytest.approx(expected, rel=1e-12)
-    assert fc1.attrs.fwd_s < ops32["fc1"].attrs.fwd_s
+    # So small a GEMM (262 kFLOP) cannot fill the tensor cores: under the size law it is no faster than fp32's
+    # constant-efficiency price; a large one is (16 GFLOP: 4.1e-5 s at bf16 against 4.2e-4 s at fp32).
+    big = (16e9, 32e9)
+    assert (
+        roofline_times(big, 0.0, h100, "bf16", cal.ceiling, cal.half_flops)[0]
+        < roofline_times(big, 0.0, h100, "f32", resolve_cluster("1x1xH100").efficiency_of("matmul"))[0]
+    )
     assert fc1.out_bytes == ops32["fc1"].out_bytes / 2 and fc1.attrs.act_bytes == 4096.0
     assert ops16["gelu"].attrs.act_bytes == 4096.0
     for name in ("x", "ln", "add", "soft", "mul"):

@@ -27,12 +27,21 @@ BACKWARD_BYTES_FACTOR = 2.0
 
 
 def roofline_times(
-    flops: tuple[float, float], moved_bytes: float, kind: DeviceKind, dtype: str = "f32", efficiency: float = 1.0
+    flops: tuple[float, float],
+    moved_bytes: float,
+    kind: DeviceKind,
+    dtype: str = "f32",
+    efficiency: float = 1.0,
+    half_flops: float = 0.0,
 ) -> tuple[float, float]:
-    """Forward and backward seconds of an op doing `flops` (forward, backward) and moving `moved_bytes`."""
+    """Forward and backward seconds of an op doing `flops` (forward, backward) and moving `moved_bytes`. With
+    `half_flops` > 0 (a GEMM on tensor cores, `pricing.matmul_efficiency`), its compute runs at `efficiency` x F /
+    (F + half_flops) of the peak, F the forward's FLOPs (the backward's two GEMMs are each as big): a small GEMM
+    cannot fill the device. Its memory term keeps `efficiency`."""
     peak, bandwidth = kind.flops(dtype), kind.mem_bandwidth
-    fwd = max(flops[0] / peak, moved_bytes / bandwidth) / efficiency
-    bwd = max(flops[1] / peak, BACKWARD_BYTES_FACTOR * moved_bytes / bandwidth) / efficiency
+    size = flops[0] / (flops[0] + half_flops) if half_flops > 0 and flops[0] > 0 else 1.0
+    fwd = max(flops[0] / (peak * size), moved_bytes / bandwidth) / efficiency
+    bwd = max(flops[1] / (peak * size), BACKWARD_BYTES_FACTOR * moved_bytes / bandwidth) / efficiency
     # Ops that only touch metadata (views) run no kernel and pay no per-call overhead.
     if fwd > 0:
         fwd += kind.op_overhead
@@ -53,6 +62,8 @@ class OpRoofline:
     weight_bytes: float
     dtype: str = "f32"
     efficiency: float = 1.0
+    half_flops: float = 0.0
+    """A GEMM's FLOPs at which its efficiency is half of `efficiency` (0: the efficiency is constant)."""
 
     @classmethod
     def at_batch(
@@ -72,7 +83,8 @@ class OpRoofline:
     def times(self, batch: float, kind: DeviceKind) -> tuple[float, float]:
         """Forward and backward seconds at `batch` samples on `kind` (`roofline_times`)."""
         flops = (self.fwd_flops * batch, self.bwd_flops * batch)
-        return roofline_times(flops, self.weight_bytes + self.act_bytes * batch, kind, self.dtype, self.efficiency)
+        moved = self.weight_bytes + self.act_bytes * batch
+        return roofline_times(flops, moved, kind, self.dtype, self.efficiency, self.half_flops)
 
 
 def fixed_s(seconds: float, kind: DeviceKind) -> float:

@@ -38,6 +38,7 @@ from dapple_ir.errors import PlanError
 from dapple_ir.ir import Module, Op, OpKind, TensorType
 from dapple_ir.pricing.collectives import RingAllreduce, ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
+from dapple_ir.pricing.matmul_efficiency import calibration_for
 from dapple_ir.pricing.tensor import grouped_cluster, shard_roofline
 
 
@@ -246,14 +247,31 @@ class Problem:
         return not any(lo <= k < hi for k in self.unsplittable)
 
 
+def gemm_law(cluster: ClusterSpec, op_class: str | None) -> tuple[float, float] | None:
+    """(ceiling, half_flops) of the GEMM size law (`pricing.matmul_efficiency`) for matmul ops on `cluster`'s device,
+    where its kind has published GEMM figures and the cluster sets no matmul efficiency of its own (one `dapple
+    calibrate` fitted, or a cluster file's, wins); None: the op class's constant efficiency."""
+    if (op_class or "matmul") != "matmul" or "matmul" in cluster.efficiency:
+        return None
+    cal = calibration_for(cluster.device(0).name)
+    return (cal.ceiling, cal.half_flops) if cal is not None else None
+
+
 def op_roofline(
-    module: Module, op: Op, efficiency: float, recorded_at: int, half: AbstractSet[Op] = frozenset()
+    module: Module,
+    op: Op,
+    efficiency: float,
+    recorded_at: int,
+    half: AbstractSet[Op] = frozenset(),
+    law: tuple[float, float] | None = None,
 ) -> OpRoofline:
     """What the roofline prices `op` from: the FLOPs and bytes capture recorded for `recorded_at` samples (the
     module's `batch`), its parameters as the bytes read whatever the batch, its result's element type (which
     picks the peak: f16 tensor cores are far faster than f32) and `efficiency`. Under the module's 16-bit
     precision (`analysis.precision`) a matmul-class op runs at the 16-bit peak, and an op in `half` (the values
-    autocast makes 16-bit: `sixteen_bit_values`) moves its result at 2 bytes an element."""
+    autocast makes 16-bit: `sixteen_bit_values`) moves its result at 2 bytes an element. With `law` (`gemm_law`), a
+    16-bit GEMM's efficiency follows its size instead of `efficiency` (a tensor-parallel shard, 1/T of the FLOPs,
+    runs less efficiently)."""
     a = op.attrs
     model = OpRoofline.at_batch(
         recorded_at,
@@ -267,6 +285,8 @@ def op_roofline(
         model = replace(model, dtype=matmul_dtype(precision_of(module), model.dtype))
     if op in half:
         model = replace(model, act_bytes=model.act_bytes * half_fraction(op))
+    if law is not None and model.dtype in ("bf16", "f16"):
+        model = replace(model, efficiency=law[0], half_flops=law[1])
     return model
 
 
@@ -286,7 +306,7 @@ def roofline_ops(module: Module, cluster: ClusterSpec) -> dict[Op, OpRoofline]:
         a = op.attrs
         if a.fwd_s is None or a.bwd_s is None or (a.fwd_flops is None and a.mem_bytes is None):
             continue
-        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch, half)
+        model = op_roofline(module, op, cluster.efficiency_of(a.op_class), batch, half, gemm_law(cluster, a.op_class))
         fwd, bwd = model.times(cost_batch, kind)
         if math.isclose(fwd, a.fwd_s, rel_tol=1e-9, abs_tol=1e-15) and math.isclose(
             bwd, a.bwd_s, rel_tol=1e-9, abs_tol=1e-15
