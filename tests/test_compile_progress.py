@@ -16,7 +16,18 @@ from dapple_ir.planner.scoring import SearchProgress
 from tests.paths import PROFILES
 
 GPT = ["compile", "examples/gpt.py:factory", "--cluster", "2xcpu", "--global-batch", "8"]
-PHASES = ["capture", "tensor-parallel", "annotate-cost", "coarsen", "plan", "schedule", "lower-comm", "insert-frees", "verify", "write"]
+PHASES = [
+    "capture",
+    "tensor-parallel",
+    "annotate-cost",
+    "coarsen",
+    "plan",
+    "schedule",
+    "lower-comm",
+    "insert-frees",
+    "verify",
+    "write",
+]
 LINE = re.compile(r"^\[ *(\d+\.\d) s\] ([a-z-]+): (.*)$")
 
 
