@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from dapple_ir import schedules
 from dapple_ir.analysis.module_cuts import split_layers
-from dapple_ir.analysis.tensor_shards import tp_ok
+from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES, tp_ok
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
@@ -27,7 +27,6 @@ from dapple_ir.ir import Module, Op
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices
-from dapple_ir.pricing.tensor import DEGREES
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
 from dapple_ir.sim.simulator import simulate
 
@@ -131,8 +130,8 @@ def lower_and_simulate(
 def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:
     """The tensor-parallel degrees to plan with: `forced` (refused with the reason where the model or the cluster
     cannot take it; a model without a pattern runs every op replicated in the group), else each of
-    `pricing.tensor.DEGREES` that divides a node's devices and the model's split widths and heads; 1 alone where the
-    `tensor-parallel` pass found no pattern."""
+    `tensor_shards.DEFAULT_DEGREES` that divides a node's devices and the model's split widths and heads; 1 alone
+    where the `tensor-parallel` pass found no pattern."""
     if forced:
         reason = _degree_problem(module, cluster, forced)
         if reason:
@@ -140,7 +139,7 @@ def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[in
         return [forced]
     if not any(op.attrs.tp_role for op in module.ops):
         return [1]
-    return [t for t in DEGREES if not _degree_problem(module, cluster, t)]
+    return [t for t in DEFAULT_DEGREES if not _degree_problem(module, cluster, t)]
 
 
 def _degree_problem(module: Module, cluster: ClusterSpec, t: int) -> str | None:

@@ -55,12 +55,7 @@ def shardable_param_bytes(module: Module, stage: Stage) -> float:
     read is allreduced and stepped whole, `allreduce param`), and an imported profile's unnamed `param_bytes`."""
     others = {n for s in module.stages if s is not stage for op in s.ops for n in op.attrs.params or ()}
     own = {n for op in stage.ops for n in op.attrs.params or ()} - others
-    t = stage.tp
-    named = sum(
-        p.nbytes / t if t > 1 and p.attrs.tp_dim is not None else p.nbytes
-        for p in module.params
-        if p.name in own and not p.attrs.buffer
-    )
+    named = sum(p.member_bytes(stage.tp) for p in module.params if p.name in own and not p.attrs.buffer)
     return named + sum(op.attrs.param_bytes or 0.0 for op in stage.ops)
 
 

@@ -22,14 +22,9 @@ from dapple_ir.ir.verifier import is_tensor_split, tensor_split_problem
 DEFAULT_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 
 
-def is_sharded(op: Op) -> bool:
-    """Does each member of a tensor group compute only its piece of `op` (a role or a split result)?"""
-    return op.attrs.tp_role is not None or op.attrs.tp_dim is not None
-
-
 def sharded_ops(ops: Iterable[Op]) -> list[Op]:
     """The ops whose FLOPs and activation bytes divide by T on a tensor group of T."""
-    return [op for op in ops if is_sharded(op)]
+    return [op for op in ops if op.tensor_split]
 
 
 def forward_reduces(ops: Iterable[Op]) -> list[Op]:

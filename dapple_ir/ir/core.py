@@ -285,6 +285,10 @@ class Param:
     def nbytes(self) -> int:
         return self.type.nbytes
 
+    def member_bytes(self, tp: int) -> float:
+        """Bytes one member of a tensor group of `tp` holds: 1/tp of a parameter it splits (`ParamAttrs.tp_dim`)."""
+        return self.nbytes / tp if tp > 1 and self.attrs.tp_dim is not None else float(self.nbytes)
+
 
 @dataclass(eq=False, slots=True)
 class Op:
@@ -357,12 +361,6 @@ class Stage:
     def tp(self) -> int:
         """Tensor-parallel degree (`StageAttrs.tp`); 1 when unset."""
         return self.attrs.tp or 1
-
-    @property
-    def lead_devices(self) -> tuple[int, ...] | None:
-        """One device per replica: member 0 of each replica's tensor group (all of `devices` when `tp` is 1)."""
-        devices = self.attrs.devices
-        return None if devices is None else devices[:: self.tp]
 
     def group_devices(self, replica: int) -> tuple[int, ...]:
         """The devices of `replica`'s tensor group, member order."""
@@ -550,5 +548,5 @@ class Module:
                 seen.add(name)
                 p = table[name]
                 if not p.attrs.buffer:
-                    total += p.nbytes / tp if tp > 1 and p.attrs.tp_dim is not None else p.nbytes
+                    total += p.member_bytes(tp)
         return total

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
-from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving
+from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving, static_bytes
 from dapple_ir.analysis.peak_memory import param_ops
 from dapple_ir.analysis.precision import (
     half_fraction,
@@ -376,7 +376,6 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
     priced = roofline_ops(module, cluster)
     ring = ring_allreduce(whole.network, range(t))
     scale = whole.cost_batch / whole.batch
-    state = whole.state_factor
     fwd: list[float] = []
     bwd: list[float] = []
     fwd_fixed: list[float] = []
@@ -408,15 +407,10 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
             extra, fixed = ring.seconds(nbytes), ring.fixed_s * len(values)
             f, ff = (f + extra, ff + fixed) if into_fwd else (f, ff)
             b, bf = (b, bf) if into_fwd else (b + extra, bf + fixed)
-        params = module.param_bytes_of(layer.ops, t)
-        buffers = sum(
-            p.nbytes
-            for p in module.params
-            if p.attrs.buffer and any(p.name in (o.attrs.params or ()) for o in layer.ops)
-        )
-        for table, value in ((fwd, f), (bwd, b), (fwd_fixed, ff), (bwd_fixed, bf), (acts, act), (grads, params)):
+        for table, value in ((fwd, f), (bwd, b), (fwd_fixed, ff), (bwd_fixed, bf), (acts, act)):
             table.append(value)
-        static.append(params * (2.0 + state) + buffers)
+        grads.append(module.param_bytes_of(layer.ops, t))
+        static.append(static_bytes(module, layer.ops, t))
         models.append(tuple(shards))
     return _merged(
         whole,

@@ -20,14 +20,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES
 from dapple_ir.cluster.roofline import OpRoofline
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.topology import Network
 from dapple_ir.pricing.collectives import ring_allreduce
-
-#: The tensor-parallel degrees the planner tries (Megatron-LM's: powers of two up to a DGX node).
-DEGREES = DEFAULT_DEGREES
 
 
 def shard_roofline(model: OpRoofline, t: int) -> OpRoofline:

@@ -375,11 +375,10 @@ def _device_of(module: Module, program: RankProgram, rank: int) -> int:
         return program.attrs.device
     replica = program.attrs.replica or 0
     for name in program.attrs.stages or ():
-        stage = module.stage(name)
-        devices = stage.attrs.devices
-        index = replica * stage.tp + (program.attrs.tensor_rank or 0)
-        if devices is not None and index < len(devices):
-            return devices[index]
+        group = module.stage(name).group_devices(replica)
+        k = program.attrs.tensor_rank or 0
+        if k < len(group):
+            return group[k]
     return rank
 
 
