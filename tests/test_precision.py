@@ -139,3 +139,21 @@ def test_no_prediction_below_the_hardware_floor(
     expected = precision or ("fp32" if "cpu" in cluster else "bf16")
     assert meta["precision"] == expected and f"precision {expected}" in result.report
     assert "hardware floor" in result.report and "predicted MFU" in result.report
+
+
+def test_adams_step_bound_is_reached_by_the_worst_gradient_sequence() -> None:
+    # Cauchy-Schwarz is tight where g_{t-j} is proportional to (b1 / b2)^j: torch's Adam then steps exactly the bound.
+    import torch
+
+    from dapple_ir.backends.torch.tolerances import ADAM_BETAS, adam_reach, adam_step_bound
+
+    b1, b2 = ADAM_BETAS
+    for t in (1, 2, 5, 20):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.Adam([p], lr=1.0, betas=ADAM_BETAS, eps=0.0, foreach=False)
+        for k in range(t):
+            before = float(p.detach())
+            p.grad = torch.tensor([(b1 / b2) ** (t - 1 - k)])
+            opt.step()
+        assert abs(before - float(p.detach())) == pytest.approx(adam_step_bound(t), rel=1e-6)
+    assert adam_step_bound(1) == 1.0 and adam_reach(1e-3, 5) == pytest.approx(2e-3 * 5.022, rel=1e-3)

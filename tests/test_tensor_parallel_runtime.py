@@ -24,6 +24,7 @@ from dapple_ir.backends.torch.codegen import emit_rank_programs
 from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.results import RunResult
+from dapple_ir.backends.torch.runtime import Runtime
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
 from dapple_ir.backends.torch.tensor_graph import shard_stage
 from dapple_ir.backends.torch.tensor_parallel import TensorGroup, gather_shards, shard_of, tensor_groups, whole_of
@@ -302,3 +303,41 @@ def test_a_sum_the_graph_does_not_run_and_threads_on_cuda_are_refused_by_name(tm
     options.device = "cuda"
     with pytest.raises(DappleError, match="threads transport cannot run tensor-parallel stages"):
         run_threads(load_plan(plan), options)
+
+
+# ------------------------------------------------------------------------------ bf16 with Adam under --check
+
+
+def _bf16_adam(out: Path) -> Path:
+    """`dapple compile GPT --cluster 4xcpu --stages 2 --tensor-parallel 2 --precision bf16 --optimizer adam`."""
+    return _compiled(out, GPT, "4xcpu", 2, precision="bf16", optimizer="adam")
+
+
+def test_bf16_tensor_groups_train_with_adam_like_one_device_under_autocast(tmp_path: Path) -> None:
+    # Each member rounds its partial row-parallel result to bf16 where one device rounds once: gradients part by
+    # about bf16's unit roundoff, and Adam steps the elements at that level either way (issue 45: this failed
+    # after 3 steps under the fp32 noise rule).
+    plan = _bf16_adam(tmp_path / "plan")
+    result = _checked(run(plan, steps=5, check=True, transport="threads", **OPTIONS))
+    assert result.check is not None and result.check.max_grad_diff > 0  # not bitwise: the check's tolerance did work
+    _members_agree(plan, result)
+
+
+def test_bf16_check_catches_a_member_whose_weight_is_off_by_one_learning_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After step 0 (whose loss and gradients agree), member 1 of @s0 holds its slice of one weight off by lr: what a
+    # member stepping once more than the others would leave. --check gathers the slices on member 0 (rank 0).
+    stepping = Runtime.optimizer_step
+
+    def perturbed(self: Runtime) -> None:
+        stepping(self)
+        if self.rank == 1 and self.step == 0:
+            with torch.no_grad():
+                self.stages["s0"].params["blocks.0.mlp.0.weight"].add_(OPTIONS["lr"])
+
+    monkeypatch.setattr(Runtime, "optimizer_step", perturbed)
+    result = run(_bf16_adam(tmp_path / "plan"), steps=5, check=True, transport="threads", **OPTIONS)
+    assert result.check is not None and not result.check.ok
+    assert any(f.startswith("parameter blocks.0.mlp.0.weight on rank 0") for f in result.check.failures), result.check
+    assert not any("at step 0" in f or "of step 0" in f for f in result.check.failures), result.check.failures

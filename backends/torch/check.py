@@ -13,7 +13,7 @@ import torch
 
 from dapple_ir.analysis.precision import precision_of
 from dapple_ir.backends.torch.results import CheckResult, RunResult
-from dapple_ir.backends.torch.tolerances import NOISE_FLOOR, NORMALISING, TOLERANCES, Tolerance
+from dapple_ir.backends.torch.tolerances import NORMALISING, TOLERANCES, Tolerance, adam_reach
 from dapple_ir.errors import RuntimeFailure
 from dapple_ir.plan_dir import Plan
 
@@ -25,13 +25,15 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
     - every parameter copy's gradient at step 0, where both start from the same parameters (what the
       pipeline computes; the optimizer is the same code on both sides), within RTOL of the element plus
       GRAD_ATOL of the step's largest (later gradients follow the parameters, which the next items check);
-    - every parameter copy after the last step, within ATOL + RTOL, except under Adam and AdamW the
-      elements whose reference gradient was at noise level (NOISE_FLOOR) in some step: their
-      gradients were compared, and their steps are noise normalised to the learning rate;
+    - every parameter copy after the last step, within ATOL + RTOL; under Adam and AdamW, whose steps are
+      normalised to the learning rate, plus the drift the gradients' rounding gives their steps
+      (`Tolerance.adam_drift`), and for the elements whose reference gradient was at noise level (the
+      precision's noise floor) in some step plus the farthest Adam can step two runs apart (`adam_reach`):
+      their steps are noise normalised to the learning rate, of either sign (their gradients were compared);
     - buffers of unreplicated stages like parameters; a replicated stage's buffers are averaged over
       its replicas (its microbatches are not run in one sequence), so they must agree across them.
 
-    ATOL, RTOL and GRAD_ATOL are those of the plan's precision (`tolerances.TOLERANCES`).
+    ATOL, RTOL, GRAD_ATOL and the noise floor are those of the plan's precision (`tolerances.TOLERANCES`).
     """
     from dapple_ir.backends.torch.reference import train_reference
 
@@ -59,15 +61,18 @@ def compare_with_reference(plan: Plan, result: RunResult, optimizer: str, lr: fl
             failures.append(f"loss of step {step}: {got:.7g}, the reference {want:.7g}")
             bad_steps.add(step)
     grad = _compare_grads(result, ref.grads, scales, failures, bad_steps, tol)
-    noisy = _noise_masks(ref.grads, scales) if optimizer in NORMALISING else {}
+    normalised = optimizer in NORMALISING
+    noisy = _noise_masks(ref.grads, scales, tol.noise_floor) if normalised else {}
+    drift = tol.adam_drift(lr, len(ref.grads)) if normalised else 0.0
+    reach = adam_reach(lr, len(ref.grads))
     param = _Worst()
     for rank, tensors in result.params.items():
         for key, value in tensors.items():
             name = key.split("/", 1)[1]
             if name not in ref.params:
                 raise RuntimeFailure(f"rank {rank} holds parameter {name} that the reference model does not have")
-            mask = noisy.get(name)
-            _compare(value, ref.params[name], mask, f"parameter {name} on rank {rank}", param, failures, tol)
+            where = f"parameter {name} on rank {rank}"
+            _compare(value, ref.params[name], where, param, failures, tol, drift, noisy.get(name), reach)
     buffer, averaged = _compare_buffers(plan, result, ref.buffers, failures, tol)
     return CheckResult(
         max_loss_diff=loss.diff,
@@ -155,12 +160,15 @@ def _compare_grads(
     return worst
 
 
-def _noise_masks(ref_grads: list[dict[str, torch.Tensor]], scales: list[float]) -> dict[str, torch.Tensor]:
-    """Per parameter, the elements whose reference gradient was at noise level in some step."""
+def _noise_masks(
+    ref_grads: list[dict[str, torch.Tensor]], scales: list[float], floor: float
+) -> dict[str, torch.Tensor]:
+    """Per parameter, the elements whose reference gradient was at noise level (`floor` of the step's largest) in
+    some step."""
     masks: dict[str, torch.Tensor] = {}
     for grads, scale in zip(ref_grads, scales, strict=True):
         for name, g in grads.items():
-            low = g.abs() <= NOISE_FLOOR * scale
+            low = g.abs() <= floor * scale
             masks[name] = masks[name] | low if name in masks else low
     return masks
 
@@ -168,13 +176,16 @@ def _noise_masks(ref_grads: list[dict[str, torch.Tensor]], scales: list[float]) 
 def _compare(
     got: torch.Tensor,
     want: torch.Tensor,
-    skip: torch.Tensor | None,
     where: str,
     worst: _Worst,
     failures: list[str],
     tol: Tolerance,
+    drift: float = 0.0,
+    noisy: torch.Tensor | None = None,
+    reach: float = 0.0,
 ) -> None:
-    """Elementwise within ATOL + RTOL (integers exactly), leaving out the elements `skip` marks."""
+    """Elementwise within ATOL + RTOL + `drift` (integers exactly), the elements `noisy` marks within `reach` more;
+    `worst` records the largest difference of the others."""
     if got.shape != want.shape:
         failures.append(f"{where}: shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
         return
@@ -184,10 +195,12 @@ def _compare(
             failures.append(f"{where}: {got.tolist()}, the reference {want.tolist()}")
         return
     diff = (got - want).abs()
-    bad = diff > tol.atol + tol.rtol * want.abs()
-    if skip is not None:
-        diff, bad = diff.masked_fill(skip, 0.0), bad & ~skip
-    worst.add(float(diff.max()) if diff.numel() else 0.0, where)
+    allowed = tol.atol + drift + tol.rtol * want.abs()
+    if noisy is not None:
+        allowed = allowed + reach * noisy
+    bad = diff > allowed
+    shown = diff if noisy is None else diff.masked_fill(noisy, 0.0)
+    worst.add(float(shown.max()) if diff.numel() else 0.0, where)
     if bool(bad.any()):
         failures.append(f"{where}: max |diff| {float(diff.max()):.3g} in {int(bad.sum())} element(s)")
 
@@ -207,7 +220,7 @@ def _compare_buffers(
             if replicas.get(stage, 1) > 1:
                 copies.setdefault(key, []).append((rank, value))
             else:
-                _compare(value, ref_buffers[name], None, f"buffer {name} on rank {rank}", worst, failures, tol)
+                _compare(value, ref_buffers[name], f"buffer {name} on rank {rank}", worst, failures, tol)
     for key, held in copies.items():
         first_rank, first = held[0]
         for rank, value in held[1:]:
