@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
+from dapple_ir.analysis.precision import is_half, is_matmul_class, precision_of
 from dapple_ir.errors import DappleError
-from dapple_ir.ir import Module, Op, Stage
+from dapple_ir.ir import DTYPE_BYTES, FLOAT_DTYPES, Module, Op, OpKind, Stage, TensorType
 
 #: Bytes of optimizer state per byte of parameter.
 OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -75,7 +76,89 @@ def batch_scale(module: Module) -> float:
 
 def activation_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
     """Bytes `ops` keep for backward for one microbatch (on one member of a tensor group of `tp`: 1/tp of what the
-    ops it splits keep, `Op.tensor_split`)."""
-    return batch_scale(module) * sum(
+    ops it splits keep, `Op.tensor_split`), autocast's 16-bit casts included (`autocast_saved_bytes`)."""
+    kept = batch_scale(module) * sum(
         (op.attrs.act_bytes or 0.0) / (tp if tp > 1 and op.tensor_split else 1) for op in ops
     )
+    return kept + autocast_saved_bytes(module, ops, tp)
+
+
+#: Bytes of an element of the 16-bit formats autocast casts to.
+_HALF_BYTES = 2
+
+
+def autocast_saved_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
+    """What autocast adds to what `ops` keep for backward, for one microbatch, under a 16-bit precision (0 under fp32).
+
+    A matmul-class op (`precision.is_matmul_class`) runs on 16-bit casts of what it reads, and autograd saves the
+    casts, not the fp32 originals (measured on the CPU, `bench/memory.py`):
+      * the 16-bit copy of each weight (a trainable parameter of 2+ dimensions: a bias is not needed by the
+        backward) it reads, where its input's gradient is wanted (the copy is what that gradient multiplies by).
+        Autocast caches a parameter's cast within one forward only, so every microbatch in flight holds its own
+        copies: 2 bytes per weight element (of the member's slice), whatever the batch;
+      * the 16-bit copy of each fp32 model input or value from outside `ops` it reads (a value received from another
+        stage; each op reading it casts it anew): the rank holds the fp32 original until the backward anyway. An fp32
+        value computed among `ops` is counted at its captured 32 bits where the matmul saves it (capture's
+        `act_bytes`), what its cast replaces: an overestimate of 2 bytes an element.
+    Not counted: an op autocast widens to fp32 (a loss) saves the fp32 cast of a 16-bit value it reads, which capture
+    counts at 16 bits: 2 bytes an element under (16 KiB of the benchmark MLP's 2.7 MiB on its last stage).
+    """
+    if not is_half(precision_of(module)):
+        return 0.0
+    # A value's bytes for one microbatch are peak_memory's rule, which reads this module's rules in turn.
+    from dapple_ir.analysis.peak_memory import transfer_bytes
+
+    inside = set(ops)
+    wanting = _wanting_grad(module, ops)
+    params = {p.name: p for p in module.params if not p.attrs.buffer}
+    copied: set[str] = set()
+    weights, casts = 0.0, 0.0
+    for op in ops:
+        if not is_matmul_class(op):
+            continue
+        if any(v in wanting for v in op.operands if v.kind is not OpKind.GET_ATTR):
+            for name in _param_names(op):
+                param = params.get(name)
+                if param is None or name in copied or len(param.type.shape) < 2:
+                    continue
+                copied.add(name)
+                weights += param.member_bytes(tp) * _HALF_BYTES / DTYPE_BYTES[param.type.dtype]
+        for v in op.operands:
+            if (v not in inside or v.kind is OpKind.INPUT) and v.kind is not OpKind.GET_ATTR and _fp32(v):
+                casts += transfer_bytes(module, v) * _HALF_BYTES / DTYPE_BYTES["f32"]
+    return weights + casts
+
+
+def _wanting_grad(module: Module, ops: list[Op]) -> set[Op]:
+    """The values `ops` read or compute whose gradient the runtime's backward computes: every floating value from
+    another stage (the runtime makes it a leaf that wants a gradient), and what is computed from a trainable parameter
+    or from such a value; not the model's inputs."""
+    trainable = {p.name for p in module.params if not p.attrs.buffer}
+    inside = set(ops)
+    wanting = {v for op in ops for v in op.operands if v not in inside and v.kind not in _NO_GRAD and _floating(v)}
+    for op in ops:
+        if trainable & set(_param_names(op)) or any(v in wanting for v in op.operands):
+            wanting.add(op)
+    return wanting
+
+
+_NO_GRAD = (OpKind.INPUT, OpKind.GET_ATTR)
+
+
+def _param_names(op: Op) -> list[str]:
+    """The parameters `op` reads: its own (`call_module`) and those of the `get_attr`s among its operands."""
+    return [
+        *(op.attrs.params or ()),
+        *(n for v in op.operands if v.kind is OpKind.GET_ATTR for n in v.attrs.params or ()),
+    ]
+
+
+def _floating(value: Op) -> bool:
+    return isinstance(value.type, TensorType) and value.type.dtype in FLOAT_DTYPES
+
+
+def _fp32(value: Op) -> bool:
+    """A 32-bit floating value as the plan runs it: not one autocast made 16-bit (`precision.sixteen_bit_values`
+    narrowed its `out_bytes`)."""
+    t = value.type
+    return isinstance(t, TensorType) and t.dtype == "f32" and value.out_bytes >= t.nbytes
