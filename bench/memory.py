@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     report.save(args.json)  # partial results survive a hard stop
     table.notes += [
-        f"one stage split for every row: the planner's for M={counts[-1]} ({split} ops per stage); only the "
+        f"one stage split for every fp32 row: the planner's for M={counts[-1]} ({split} ops per stage); only the "
         "schedule passes rerun per row.",
         "act = peak minus static bytes (parameters + gradients, + Adam's two moments: under zero-1 this replica's "
         "shard of them; SGD keeps no optimizer state); error = (measured - predicted) / predicted.",
