@@ -1,11 +1,12 @@
 """GPT as Megatron-LM trains it, with the ten models of its weak-scaling table.
 
-The model is plain PyTorch: learned token and position embeddings, pre-LN blocks of causal
-self-attention (one fused QKV projection, split into heads with view/transpose and run by
-`scaled_dot_product_attention`) and a 4h GELU MLP, a final layer norm, an LM head tied to the token
-embedding, and cross-entropy. Vocabulary 51,200 and sequence 2,048, as in the paper; dropout 0.1 after
-the embeddings, on the attention probabilities and after each block's two residual branches, as
-Megatron-LM's defaults (which the paper's runs kept) have it.
+The model is plain PyTorch: learned token and position embeddings, pre-LN blocks of causal self-attention (one
+fused QKV projection, split into heads with view/transpose, the s x s scores materialised and soft-maxed by
+Megatron's fused scale-mask-softmax kernel, as Megatron-LM's 2021 `CoreAttention` does: no flash-attention
+kernel existed then, and the table's runs paid for the scores) and a 4h GELU MLP, a final layer norm, an LM
+head tied to the token embedding, and cross-entropy. Vocabulary 51,200 and sequence 2,048, as in the paper;
+dropout 0.1 after the embeddings, on the attention probabilities and after each block's two residual branches,
+as Megatron-LM's defaults (which the paper's runs kept) have it.
 
 `ROWS` is Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC'21): each model's shape, the tensor- and pipeline-parallel sizes, GPUs, global
@@ -24,6 +25,7 @@ small enough to train on a CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -126,24 +128,63 @@ class GPTShape:
     """Megatron's `--hidden-dropout` and `--attention-dropout` (0.1 by default, which Table 1's runs keep)."""
 
 
+def _define_scale_mask_softmax() -> None:
+    """`torch.ops.megatron_gpt.scale_mask_softmax(scores, mask, dim)`: softmax along `dim` of the scores with the
+    `mask`ed ones left out, computed in fp32 and returned in the scores' dtype: what Megatron-LM's fused CUDA
+    kernel (`FusedScaleMaskSoftmax`, the scaling folded into the query here) computes, as one op, so that it is
+    priced as that one kernel (its input read and its output written once) and autocast leaves its dtype alone,
+    as it does Megatron's. Its reference implementation runs on any device; its backward is softmax's, from the
+    probabilities it saves. Defined once per process (a second import of this file reuses it)."""
+    if hasattr(torch.ops.megatron_gpt, "scale_mask_softmax"):
+        return
+
+    @torch.library.custom_op("megatron_gpt::scale_mask_softmax", mutates_args=())
+    def scale_mask_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=dim).to(scores.dtype)
+
+    @scale_mask_softmax.register_fake
+    def _(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.empty_like(scores)
+
+    def setup(ctx: object, inputs: tuple[torch.Tensor, torch.Tensor, int], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)  # type: ignore[attr-defined]
+        ctx.dim = inputs[2]  # type: ignore[attr-defined]
+
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (probs,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        p, g = probs.float(), grad.float()
+        return (p * (g - (g * p).sum(ctx.dim, keepdim=True))).to(grad.dtype), None, None  # type: ignore[attr-defined]
+
+    scale_mask_softmax.register_autograd(backward, setup_context=setup)
+
+
+_define_scale_mask_softmax()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, s: GPTShape) -> None:
         super().__init__()
         self.heads = s.heads
-        self.dropout = s.dropout
+        self.scale = 1.0 / math.sqrt(s.hidden // s.heads)
         self.qkv = nn.Linear(s.hidden, 3 * s.hidden)
         self.proj = nn.Linear(s.hidden, s.hidden)
+        self.attn_drop = nn.Dropout(s.dropout)
         self.drop = nn.Dropout(s.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
+        d = h // self.heads
         q, k, v = self.qkv(x).split(h, dim=2)
         # (b, t, h) -> (b, heads, t, h / heads): the split a tensor-parallel shard cuts by heads.
-        q = q.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        k = k.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        q = q.view(b, t, self.heads, d).transpose(1, 2)
+        k = k.view(b, t, self.heads, d).transpose(1, 2)
+        v = v.view(b, t, self.heads, d).transpose(1, 2)
+        # Attention as Megatron-LM ran it in 2021 (its `CoreAttention`, no flash kernel): the scores materialised,
+        # masked and soft-maxed by one fused kernel (`scale_mask_softmax`), dropout on the probabilities, then
+        # their product with the values.
+        scores = (q * self.scale) @ k.transpose(-2, -1)
+        causal = torch.ones((t, t), dtype=torch.bool, device=x.device).triu(1)
+        y = self.attn_drop(torch.ops.megatron_gpt.scale_mask_softmax(scores, causal, -1)) @ v
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, h)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from dapple_ir.analysis.activation_checkpoints import block_boundaries
 from dapple_ir.analysis.module_cuts import FLOATING, module_starts
 from dapple_ir.errors import PassError
 from dapple_ir.ir import Layer, LayerAttrs, Module, Op, OpaqueType, OpKind
@@ -19,7 +20,9 @@ _LOADED = (OpKind.INPUT, OpKind.GET_ATTR)
 @register_pass
 @dataclass(frozen=True)
 class Coarsen(Pass):
-    """Group ops into at most max-layers layers at cuts where few bytes cross; sum their costs."""
+    """Group ops into at most max-layers layers at cuts where few bytes cross; sum their costs. Where the model's
+    blocks begin stays a boundary while there are fewer blocks than max-layers (`block_boundaries`): a recomputing
+    stage checkpoints there, and the planner prices those checkpoints per layer."""
 
     name = "coarsen"
     max_layers: int = option(128, "most layers to keep (the planner's granularity)")
@@ -34,6 +37,7 @@ class Coarsen(Pass):
         crossing = _crossing(module, position, len(chain))
         starts = module_starts(module)
         kept = {position[starts[name]] for name in self.keep if name in starts}
+        kept |= block_boundaries(chain, self.max_layers)
         bounds = _choose_cuts(module, chain, crossing, self.max_layers, kept)
         module.layers = _build_layers(module, chain, position, bounds, crossing)
         ctx.log(f"coarsen: {len(module.ops)} ops into {len(module.layers)} layers")

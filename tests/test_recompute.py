@@ -170,7 +170,7 @@ def test_auto_does_not_recompute_when_the_plan_fits() -> None:
 def test_bad_recompute_requests_name_the_culprit() -> None:
     with pytest.raises(PlanError, match="recompute must be one of auto, none, all, not 'some'"):
         search(_tight_problem(0.05), Request(recompute="some"))
-    with pytest.raises(PlanError, match="recompute=all is modelled for the 1f1b and gpipe"):
+    with pytest.raises(PlanError, match="recompute=all is modelled for the 1f1b, gpipe and interleaved schedules"):
         search(_tight_problem(0.05), Request(recompute="all", schedule="zb-h1"))
 
 

@@ -35,11 +35,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dapple_ir.backends.torch.data import microbatch
+from dapple_ir.backends.torch.layer_checkpoints import CheckpointedStage
 from dapple_ir.backends.torch.mixed_precision import autocast, loss_scaler, step_with_scaler
 from dapple_ir.backends.torch.random_draws import StageDraws
 from dapple_ir.backends.torch.run_queue import RunQueueClock
@@ -81,6 +83,9 @@ class _Record:
     """What `backward_input` left for `backward_weight`: the passes that produce the parameter gradients."""
     args: list[Any] | None = None
     """A recomputing stage's forward inputs (leaves included), kept to rerun it with grad before its backward."""
+    edges: dict[str, GradientEdge] = field(default_factory=dict)
+    """A checkpointed stage's outputs as autograd edges (`layer_checkpoints`): its backward starts from them once
+    the sends have let go of the output tensors themselves."""
 
 
 @dataclass
@@ -149,7 +154,7 @@ class Runtime:
         tied: set[str] | None = None,
         seed: int = 0,
         record_grads: bool = False,
-        recompute: set[str] | None = None,
+        recompute: dict[str, list[set[str]]] | None = None,
         rows: tuple[int, int] | None = None,
         meter_steps: int | None = METERED_STEPS,
         precision: str = "fp32",
@@ -166,8 +171,11 @@ class Runtime:
         self.tied = tied or set()
         self.seed = seed
         self.record_grads = record_grads
-        self.recompute = recompute or set()
-        """Stages whose forward runs without grad, keeping only its inputs, and reruns before the backward."""
+        self.recompute = recompute or {}
+        """Recomputing stages, each with its checkpoint segments (IR op names; `activation_checkpoints.segments`).
+        A stage of one segment runs its forward without grad, keeping only its inputs, and reruns it whole before
+        the backward; one of several runs each segment under `torch.utils.checkpoint` (`layer_checkpoints`)."""
+        self.checkpointed: dict[str, CheckpointedStage] = {}
         self.precision = precision
         """fp32, or the autocast dtype of every stage's forward (`mixed_precision`)."""
         self.scaler = loss_scaler(precision)
@@ -317,7 +325,9 @@ class Runtime:
             sm = self._stage(stage)
             rec = _Record()
             args = [self._leaf(sm, name, mb, rec) for name in sm.inputs]
-            if stage in self.recompute:
+            if len(self.recompute.get(stage, ())) > 1:
+                results = self._run_checkpointed(stage, sm, args, mb, rec)
+            elif stage in self.recompute:
                 # Nothing saved for backward: the inputs are kept (the rank holds them until the backward
                 # anyway) and the forward reruns with grad right before it (`_rerun`).
                 rec.args = args
@@ -352,6 +362,30 @@ class Runtime:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.precision, self.device.type):
             return self.draws[stage].run(sm.graph_module, args, self.seed, self.step, mb, self._draw_rows)
 
+    def _run_checkpointed(self, stage: str, sm: StageModule, args: list[Any], mb: int, rec: _Record) -> Any:
+        """A checkpointed stage's forward (`layer_checkpoints`): it keeps its segments' inputs (in `rec.saved`) and
+        its outputs' autograd edges, so that a send may let go of the outputs as for a stage that reruns whole."""
+        runner = self.checkpointed.get(stage)
+        if runner is None:
+            runner = self.checkpointed[stage] = CheckpointedStage(
+                sm.graph_module, self.recompute[stage], f"stage @{stage}"
+            )
+        meter = self._meter_rerun if self.device.type != "cuda" and self.metering else None
+        with autocast(self.precision, self.device.type):
+            results = runner.run(args, (self.seed, self.step, mb, self._draw_rows), rec.saved, meter)
+        if self.draws[stage].sites is None:
+            self.draws[stage].sites = runner.sites
+        for name, value in zip(sm.outputs, results, strict=False):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                rec.edges[name] = get_gradient_edge(value)
+        return results
+
+    def _meter_rerun(self, saved: dict[int, int]) -> None:
+        """A checkpoint segment reran inside a backward: what it saved lives beside what the rank holds."""
+        held = self._held_storages()
+        held.update(saved)
+        self.peak_bytes = max(self.peak_bytes, sum(held.values()))
+
     def _rerun(self, stage: str, mb: int, rec: _Record) -> None:
         """A recomputing stage's forward again, with grad, on the same inputs and the same random draws
         (`random_draws` seeds each by step, microbatch and op): the outputs and loss the backward starts from."""
@@ -381,7 +415,8 @@ class Runtime:
             self._rerun(stage, mb, rec)
             outs, grads = self._output_grads(stage, mb, rec)
             if outs:
-                torch.autograd.backward(outs, grads)
+                # Tensors and a checkpointed stage's output edges alike (torch takes either, typed as one or the other).
+                torch.autograd.backward(cast(Any, outs), grads)
             for name, leaf in rec.leaves.items():
                 self._add_grad(name, mb, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
             self._release(stage, mb, rec)
@@ -427,7 +462,7 @@ class Runtime:
             if release and not grad:
                 self.values.pop((value, mb), None)
                 for (_stage, m), rec in self.records.items():
-                    if m == mb and rec.args is not None:
+                    if m == mb and (rec.args is not None or rec.edges):
                         rec.outputs.pop(value, None)
             if grad and (rows is None or release):
                 # A value's gradient goes back to its one producer (its replicas, in pieces: after the
@@ -634,6 +669,10 @@ class Runtime:
 
     def held_bytes(self) -> int:
         """Bytes of every tensor the runtime holds on the CPU, each storage counted once."""
+        return sum(self._held_storages().values())
+
+    def _held_storages(self) -> dict[int, int]:
+        """The storages of every tensor the runtime holds: address -> bytes."""
         seen = dict(self._param_storages)
 
         def add(t: Any) -> None:
@@ -660,7 +699,7 @@ class Runtime:
             for wp in rec.deferred or ():
                 for held in wp.grads:
                     add(held)
-        return sum(seen.values())
+        return seen
 
     def _untied(self, stage: str) -> list[torch.nn.Parameter]:
         """The parameters of `stage` its own collectives reduce (tied ones have their `allreduce param`)."""
@@ -705,8 +744,10 @@ class Runtime:
             raise DappleError(f"{user} needs %{name} of microbatch {mb}, which was neither received nor computed here")
         return self.values[(name, mb)]
 
-    def _output_grads(self, stage: str, mb: int, rec: _Record) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        outs: list[torch.Tensor] = []
+    def _output_grads(
+        self, stage: str, mb: int, rec: _Record
+    ) -> tuple[list[torch.Tensor | GradientEdge], list[torch.Tensor | None]]:
+        outs: list[torch.Tensor | GradientEdge] = []
         grads: list[torch.Tensor | None] = []
         if rec.loss is not None:
             outs.append(rec.loss)
@@ -717,6 +758,11 @@ class Runtime:
                 continue
             outs.append(out)
             grads.append(g)
+        for name, edge in rec.edges.items():
+            g = self.grads.get((name, mb))
+            if g is not None and name not in rec.outputs:
+                outs.append(edge)  # a checkpointed stage's output a send let go of
+                grads.append(g)
         return outs, grads
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
@@ -785,6 +831,7 @@ class Runtime:
         rec.saved.clear()
         rec.deferred = None
         rec.args = None
+        rec.edges.clear()
 
     def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...]) -> None:
         # A parameter shared by two stages of this rank is reduced once per group and step.

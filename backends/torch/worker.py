@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapple_ir.analysis.activation_checkpoints import segments as activation_segments
 from dapple_ir.analysis.precision import precision_of
 from dapple_ir.backends.torch import checkpoint
 from dapple_ir.backends.torch.codegen import rank_sources
@@ -255,7 +256,11 @@ def build_runtime(
         tied=tied_params(plan.module),
         seed=plan.seed,
         record_grads=options.check,
-        recompute={s.name for s in plan.module.stages if s.recompute},
+        recompute={
+            s.name: [{op.name for op in ops} for ops in activation_segments(plan.module, s)]
+            for s in plan.module.stages
+            if s.recompute
+        },
         rows=rows,
         meter_steps=None if options.meter_every_step else METERED_STEPS,
         precision=precision_of(plan.module),

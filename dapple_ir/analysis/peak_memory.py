@@ -8,11 +8,11 @@ parameters' optimizer state) plus what is live at the instruction being run:
     from the point its receive is posted (`recv_posts`: up to one compute ahead, where memory allows);
   * `backward_input @s mb=m` keeps what the weight pass restarts from (`weight_pass_bytes`) until
     `free @s mb=m`;
-  * a recomputing stage (`recompute`) keeps only its inputs at its forward: the model inputs and targets
-    it reads (`loaded_bytes`) until `free @s mb=m`, the received tensors as transfers (freed after its
-    backward anyway); its `backward` holds the rerun forward's activations (less those loaded inputs,
-    which the ops reading them save) while it runs, and a split `backward_input` holds them until
-    `free @s mb=m`.
+  * a recomputing stage (`recompute`) keeps only its checkpoints at its forward: the model inputs and targets
+    it reads (`loaded_bytes`) and the values its later segments start from (`activation_checkpoints.checkpoint_values`:
+    a block's input) until `free @s mb=m`, the received tensors as transfers (freed after its backward
+    anyway); its `backward` holds the largest segment's rerun activations (less the loaded inputs, which the
+    ops reading them save) while it runs, and a split `backward_input` holds them until `free @s mb=m`.
 Without free instructions (before `insert-frees`) nothing is released; `activation_peak_microbatches`
 reads compute instructions only and works on any program.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapple_ir.analysis import memory
+from dapple_ir.analysis import activation_checkpoints, memory
 from dapple_ir.analysis.lowering import early_post_points
 from dapple_ir.analysis.stage_graph import crossings, values_needing_grad
 from dapple_ir.ir import (
@@ -113,7 +113,11 @@ def param_ops(module: Module, ops: list[Op]) -> list[Op]:
 
 def loaded_bytes(module: Module, stage: Stage) -> float:
     """Bytes of the model inputs and targets (`input` ops) the stage's ops read, for one microbatch."""
-    read = {v for op in stage.ops for v in op.operands if v.kind is OpKind.INPUT}
+    return _loaded_of(module, stage.ops)
+
+
+def _loaded_of(module: Module, ops: list[Op]) -> float:
+    read = {v for op in ops for v in op.operands if v.kind is OpKind.INPUT}
     return sum(transfer_bytes(module, v) for v in read)
 
 
@@ -175,6 +179,8 @@ class Sizes:
     act: dict[Stage, float] = field(default_factory=dict)
     held: dict[Stage, float] = field(default_factory=dict)
     inputs: dict[Stage, float] = field(default_factory=dict)
+    kept: dict[Stage, float] = field(default_factory=dict)
+    reruns: dict[Stage, float] = field(default_factory=dict)
     transfer: dict[Op, float] = field(default_factory=dict)
     params: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
@@ -189,6 +195,27 @@ class Sizes:
         """Bytes of the model inputs and targets the stage reads, for one microbatch: what a recomputing
         stage keeps from its forward to rerun it (its received tensors are held as transfers)."""
         return _memo(self.inputs, stage, lambda: loaded_bytes(self.module, stage))
+
+    def checkpointed(self, stage: Stage) -> float:
+        """What a recomputing stage's forward keeps for one microbatch: the model inputs and targets it reads
+        (`loaded`) and the values its later checkpoint segments start from
+        (`activation_checkpoints.checkpoint_values`)."""
+        return _memo(self.kept, stage, lambda: self.loaded(stage) + self._checkpoints(stage))
+
+    def _checkpoints(self, stage: Stage) -> float:
+        return sum(self.transferred(v) for v in activation_checkpoints.checkpoint_values(self.module, stage))
+
+    def rerun(self, stage: Stage) -> float:
+        """What a recomputing stage's backward adds while it runs: the largest checkpoint segment's activations,
+        less the loaded inputs it already keeps (the ops that read them save those very tensors)."""
+        return _memo(self.reruns, stage, lambda: self._rerun(stage))
+
+    def _rerun(self, stage: Stage) -> float:
+        module = self.module
+        return max(
+            max(0.0, memory.activation_bytes(module, ops, stage.tp) - _loaded_of(module, ops))
+            for ops in activation_checkpoints.segments(module, stage)
+        )
 
     def transferred(self, value: Op) -> float:
         return _memo(self.transfer, value, lambda: transfer_bytes(self.module, value))
@@ -279,13 +306,13 @@ def _changes(module: Module, program: RankProgram, sizes: Sizes) -> list[tuple[i
         elif kind is k_fwd and stage is not None:
             # A recomputing stage's forward keeps only its inputs: the received ones are held as
             # transfers until its backward anyway, the loaded ones (model inputs, targets) count here.
-            size = share(stage) * (sizes.loaded(stage) if stage.recompute else sizes.activation(stage))
+            size = share(stage) * (sizes.checkpointed(stage) if stage.recompute else sizes.activation(stage))
         elif kind is k_bin and stage is not None:
             # The rerun forward's activations stay until the weight pass when the backward is split.
-            size = share(stage) * (sizes.weight_pass(stage) + (_rerun_bytes(sizes, stage) if stage.recompute else 0.0))
+            size = share(stage) * (sizes.weight_pass(stage) + (sizes.rerun(stage) if stage.recompute else 0.0))
         elif kind is k_bwd and stage is not None and stage.recompute:
             # The rerun forward's activations live while the backward runs, then go.
-            act = share(stage) * _rerun_bytes(sizes, stage)
+            act = share(stage) * sizes.rerun(stage)
             if act > 0:
                 found.append((index, act, -1))
                 found.append((index, -act, -1))
@@ -318,12 +345,6 @@ def _posted(base: list[tuple[int, float, int]], posts: dict[int, int]) -> list[t
             found.append((index, size))
     found.extend((post, size) for post, _, size in moved[j:])
     return found
-
-
-def _rerun_bytes(sizes: Sizes, stage: Stage) -> float:
-    """What a recomputing stage's rerun forward adds: its activations, less the loaded inputs it already
-    keeps (the ops that read them save those very tensors)."""
-    return max(0.0, sizes.activation(stage) - sizes.loaded(stage))
 
 
 def recv_posts(
@@ -422,8 +443,8 @@ def stage_memory(module: Module, sizes: Sizes | None = None) -> tuple[StageMemor
     found = []
     for stage in module.stages:
         mates = [s for s in module.stages if s.attrs.devices == stage.attrs.devices]
-        kept = sizes.loaded(stage) if stage.recompute else sizes.activation(stage)
-        rerun = _rerun_bytes(sizes, stage) if stage.recompute else 0.0
+        kept = sizes.checkpointed(stage) if stage.recompute else sizes.activation(stage)
+        rerun = sizes.rerun(stage) if stage.recompute else 0.0
         found.append(
             StageMemory(
                 static=sizes.static_of(mates),

@@ -11,6 +11,8 @@ are never 16-bit, so static memory is the fp32 plan's). The cost model follows a
 - an op autocast widens (softmax, log-softmax, layer and group norm, losses, exp/log/pow, sums: the fp32 list
   in `_WIDENING_NAMES`) and an op that reads a parameter or buffer (embedding, norm affine: fp32 weights
   promote) give fp32;
+- a cast to another tensor's dtype (`type_as`, `to(tensor)`) gives that tensor's; an operator a library
+  defines (`torch.ops.<library>.<op>`, not torch's own) is on none of autocast's lists: the rule below;
 - any other op gives 16-bit exactly when every floating value it reads is 16-bit (type promotion: an add of an
   fp32 residual and a 16-bit projection is fp32), and runs at its dtype's rate.
 
@@ -58,6 +60,9 @@ _WIDENING_NAMES = frozenset(
     }
 )
 _WIDENING_FRAGMENTS = ("softmax", "norm", "loss", "entropy")
+
+#: Casts to another tensor's dtype (Megatron's softmax in fp32 cast back with `.type_as(v)`).
+_CASTS_LIKE = frozenset({"type_as", "to"})
 
 
 def check_precision(precision: str) -> str:
@@ -108,10 +113,25 @@ def _becomes_half(op: Op, half: set[Op]) -> bool:
     if is_matmul_class(op):
         return True
     callee = (op.target or "").lower().rsplit(".", 1)[-1]
-    if op.attrs.params or callee in _WIDENING_NAMES or any(f in callee for f in _WIDENING_FRAGMENTS):
+    if callee in _CASTS_LIKE and len(op.operands) > 1 and _floating(op.operands[1]):
+        # `a.type_as(b)` and `a.to(b)` take b's dtype: 16-bit where autocast made b so.
+        return op.operands[1] in half
+    widened = callee in _WIDENING_NAMES or any(f in callee for f in _WIDENING_FRAGMENTS)
+    if op.attrs.params or (widened and not _custom_op(op)):
         return False
     read = [v for v in op.operands if _floating(v)]
     return bool(read) and all(v in half for v in read)
+
+
+def _custom_op(op: Op) -> bool:
+    """Is `op` a call of an operator a library defined (`torch.library.custom_op`), which autocast's lists never
+    name: it runs in the dtype its inputs come in."""
+    target = op.target or ""
+    return op.kind is OpKind.CALL_FUNCTION and target.startswith("torch.ops.") and not target.startswith(_TORCH_OPS)
+
+
+#: Operator namespaces of torch itself, which autocast's policy covers.
+_TORCH_OPS = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.quantized.")
 
 
 def _floating(op: Op) -> bool:

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dapple_ir.ir import Op, OpKind, Param, TensorType, TupleType
+from dapple_ir.ir import NORMALISING_CALLEES, Op, OpKind, Param, TensorType, TupleType
 
 Split = tuple[int, int]
 """(dim, parts) of a value a tensor group holds in pieces."""
@@ -349,6 +349,20 @@ def _matmul(op: Op, ins: list[tuple[Op, Split | None]]) -> Split | str:
     return _broadcast(op, ins, batch_only=True)
 
 
+def _normalise(op: Op, ins: list[tuple[Op, Split | None]]) -> Split | str:
+    """Softmax along a dimension (`OpAttrs.dim`) other than the split one: each member normalises its own rows
+    (attention probabilities over keys, split by heads); a mask read whole broadcasts (`_broadcast`)."""
+    got = _broadcast(op, ins)
+    if isinstance(got, str):
+        return got
+    dim, parts = got
+    if op.attrs.dim is None:
+        return f"{_what(op)} normalises along a dimension the capture did not record"
+    if op.attrs.dim == dim:
+        return f"{_what(op)} normalises along the split dimension"
+    return dim, parts
+
+
 _RULES: dict[str, Rule] = {
     **dict.fromkeys(_ELEMENTWISE, _broadcast),
     **dict.fromkeys(_VIEWS, _view),
@@ -359,4 +373,5 @@ _RULES: dict[str, Rule] = {
     **dict.fromkeys(_CATS, _cat),
     **dict.fromkeys(_ATTENTION, _attention),
     **dict.fromkeys(_MATMULS, _matmul),
+    **dict.fromkeys(NORMALISING_CALLEES, _normalise),
 }

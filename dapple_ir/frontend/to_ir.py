@@ -15,6 +15,7 @@ from dapple_ir.frontend.module_paths import fetch, scope, strip_model
 from dapple_ir.frontend.source_locations import location
 from dapple_ir.ir import (
     FLOAT_DTYPES,
+    NORMALISING_CALLEES,
     Module,
     ModuleAttrs,
     Op,
@@ -84,7 +85,18 @@ def _op_attrs(node: Any, op: Op, inputs_before: int) -> OpAttrs:
     if callee_name(node) == "getitem" and isinstance(node.args[1], int) and isinstance(tuple_type, TupleType):
         # x.shape[-1] counts from the end; the IR counts from the start.
         attrs.index = node.args[1] % len(tuple_type.elements) if tuple_type.elements else None
+    attrs.dim = _normalised_dim(node, op)
     return attrs
+
+
+def _normalised_dim(node: Any, op: Op) -> int | None:
+    """The dimension a softmax-like op normalises along (its `dim` argument, else its first integer argument after
+    the tensor), counted from the start."""
+    if callee_name(node) not in NORMALISING_CALLEES or not isinstance(op.type, TensorType):
+        return None
+    dim = node.kwargs.get("dim", next((a for a in node.args[1:] if isinstance(a, int)), None))
+    rank = len(op.type.shape)
+    return dim % rank if isinstance(dim, int) and rank else None
 
 
 def _param(name: str, tensor: Any, shared: bool) -> Param:

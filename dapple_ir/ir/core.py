@@ -37,6 +37,12 @@ FLOAT_DTYPES: frozenset[str] = frozenset({"f64", "f32", "f16", "bf16", "c64"})
 #: autocast makes 16-bit under it. fp32, the default, is the attribute's absence.
 HALF_PRECISIONS: dict[str, str] = {"bf16": "bf16", "fp16": "f16"}
 
+#: Short callee names of the softmax-like ops, which normalise along one dimension (`OpAttrs.dim`): torch's, and a
+#: masked softmax of one kernel under the name Megatron-LM gives it (`examples/megatron_gpt.py`).
+NORMALISING_CALLEES: frozenset[str] = frozenset(
+    {"softmax", "log_softmax", "_softmax", "_log_softmax", "scale_mask_softmax"}
+)
+
 
 @dataclass(frozen=True, slots=True)
 class TensorType:
@@ -150,6 +156,9 @@ class OpAttrs(AttrRecord):
     """Innermost `nn.Module` the op was traced inside (`blocks.3.mlp.0`)."""
     index: int | None = None
     """Position of an `input` among the model's inputs, or of a tuple element for `getitem`."""
+    dim: int | None = None
+    """The dimension a normalising op (softmax, log-softmax) works along, counted from the start: what a
+    tensor-parallel split may not cut (`analysis.split_rules`)."""
     label: str | None = None
     """Human description of an imported profile node (`Conv2d(64, 64, ...)`)."""
     fwd_flops: float | None = None

@@ -47,8 +47,9 @@ cut's bytes over its bandwidth (`traffic.cut_s`), and every piece counts toward 
 With R equal everywhere and uniform stages (no fixed part) the closed form is (M + S - 1)(F + B) / R.
 
 Recomputation (`Candidate.recompute`, per stage; 1f1b and gpipe): a recomputing stage keeps only its
-input (the bytes crossing the cut before it) per microbatch in flight, plus one microbatch's
-activations while the rerun forward and the backward run; its backward costs B_s + F_s. With uniform
+input (the bytes crossing the cut before it) and its checkpoints (the bytes crossing each cut inside it where
+a block begins, `analysis.activation_checkpoints`) per microbatch in flight, plus one segment's activations while the
+rerun forward and the backward run segment by segment; its backward costs B_s + F_s. With uniform
 stages recomputing everywhere the closed form becomes (M + S - 1)(2F + B).
 
 Sharded optimizer state (`Candidate.zero`, per replicated stage; ZeRO-1): AR_s plus the optimizer step becomes
@@ -300,13 +301,12 @@ def stage_memory(
 ) -> float:
     """Static bytes of layers [lo, hi) plus the activations of the microbatches in flight (`held`, by default
     `in_flight`'s); with `recompute`, each microbatch in flight keeps only the stage's input (`received_bytes`) and
-    one microbatch's activations live while its forward reruns before the backward."""
-    act = (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
+    its checkpoints (`Problem.checkpoint_bytes`), and one checkpoint segment's activations live at a time while the
+    backward reruns the forward (`Problem.rerun_bytes`)."""
     held = in_flight(schedule, stages_after, per_replica) if held is None else held
     static = problem.static_of(lo, hi, shards)
-    if recompute:
-        return static + held * received_bytes(problem, lo, b) + act
-    return static + held * act
+    rerun = problem.rerun_bytes(lo, hi, b) if recompute else 0.0
+    return static + held * _held_per_microbatch(problem, lo, hi, b, recompute) + rerun
 
 
 def received_bytes(problem: Problem, lo: int, b: int) -> float:
@@ -320,11 +320,8 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     if m < 1 or problem.global_batch % m:
         raise PlanError(f"global batch {problem.global_batch} is not divisible into {m} microbatches")
     if cand.virtual > 1:
-        if any(cand.recompute) or any(cand.split):
-            raise PlanError(
-                "recomputation and split replication are not modelled with virtual stages (interleaved); "
-                "plan without them"
-            )
+        if any(cand.split):
+            raise PlanError("split replication is not modelled with virtual stages (interleaved); plan without it")
         return _evaluate_interleaved(problem, cand)
     _check_splits(problem, cand)
     n = len(cand.stages)
@@ -477,22 +474,25 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     from group g to g + 1; every one of the S - 1 cuts (V - 1 of them wrap from the last group back to
     the first) loads the links and counts toward the card floor. A device holds its V stages'
     parameters and, at the interleaved order's peak, the activations of the chunks in flight
-    (`interleaved_held`)."""
+    (`interleaved_held`). A recomputing chunk holds its input and checkpoints instead, reruns its forward in its
+    backward, and adds one checkpoint segment's activations to its group's peak (the largest of its chunks')."""
     m, p, n = cand.microbatches, cand.groups, len(cand.stages)
     b = problem.microbatch_size(m)
     pf, pb = problem.prefix_times(m)
     network = problem.network
     loads: dict[int, float] = {}
     work, bwd, static, cut_s = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
-    act = [(problem.pa[st.hi] - problem.pa[st.lo]) * b / problem.cost_batch for st in cand.stages]
+    act = [_held_per_microbatch(problem, st.lo, st.hi, b, cand.recomputes(k)) for k, st in enumerate(cand.stages)]
+    rerun = [problem.rerun_bytes(st.lo, st.hi, b) if cand.recomputes(k) else 0.0 for k, st in enumerate(cand.stages)]
+    again = [pf[st.hi] - pf[st.lo] if cand.recomputes(k) else 0.0 for k, st in enumerate(cand.stages)]
     # Each chunk's own work per microbatch: its ops, its forward and backward instructions and a message each way
     # per neighbouring stage.
     host = [problem.host_s(st.devices, 2, 2 * ((k > 0) + (k < n - 1))) for k, st in enumerate(cand.stages)]
-    chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + host[k] for k, st in enumerate(cand.stages)]
+    chunk = [pf[st.hi] - pf[st.lo] + pb[st.hi] - pb[st.lo] + again[k] + host[k] for k, st in enumerate(cand.stages)]
     for k, st in enumerate(cand.stages):
         g = k % p
         work[g] += chunk[k]
-        bwd[g] += pb[st.hi] - pb[st.lo] + host[k] / 2
+        bwd[g] += pb[st.hi] - pb[st.lo] + again[k] + host[k] / 2
         static[g] += problem.static_of(st.lo, st.hi, st.replicas if cand.shards(k) else 1)
         ring = problem.ring(st.devices)
         _add(loads, ring.crossings, ring.step_bytes(problem.grads_of(st.lo, st.hi)))
@@ -524,7 +524,8 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
             for k, s in ((k, cand.stages[k]) for k in range(g, n, p))
         )
         h = max(ar, h - (bwd[g] / cand.virtual + cut_s[g]))
-    peaks = tuple(static[k % p] + held[k % p] for k in range(n))
+    reruns = [max(rerun[g::p]) for g in range(p)]
+    peaks = tuple(static[k % p] + held[k % p] + reruns[k % p] for k in range(n))
     caps = tuple(min(problem.capacity(d) for d in st.devices) for st in cand.stages)
     tail = max(0.0, h)
     _card, floor = busiest(network, loads, network.card_links)
@@ -538,6 +539,14 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
         max(g_time + tail, floor, cores), g_time, tail, peaks, caps, busies.index(max(busies)), floor, name, seconds,
         cores,
     )  # fmt: skip
+
+
+def _held_per_microbatch(problem: Problem, lo: int, hi: int, b: int, recompute: bool) -> float:
+    """What a stage of layers [lo, hi) holds per microbatch in flight: its activations, or recomputing, its input
+    and checkpoints."""
+    if recompute:
+        return received_bytes(problem, lo, b) + problem.checkpoint_bytes(lo, hi, b)
+    return (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
 
 
 def interleaved_held(cand: Candidate, act: list[float]) -> list[float]:

@@ -341,9 +341,11 @@ class _Search:
             ar = (grads * ar_bw + ar_lat if r > 1 and grads > 0 else 0.0) + opt
             step = grads * ring_factor
             act = a_sum * act_scale
-            # One microbatch's activations live at once (recompute), the rest keep `act` each.
+            # One checkpoint segment's activations live at once (recompute), each microbatch in flight keeps its
+            # input and checkpoints; otherwise each keeps `act`.
             if self.recompute:
-                static, act = static + act, kept_input
+                static += problem.rerun_bytes(i, j, rows)
+                act = kept_input + problem.checkpoint_bytes(i, j, rows)
             if j == self.layers:
                 if static + in_flight(schedule, 1, per) * act <= cap:
                     loads, floor = self.add(self.empty_loads, 0.0, ring, peak, step, (), 0.0)

@@ -134,9 +134,10 @@ class _StageFit:
         plain = self.fewest(room, full + received, n)
         if not self.recompute:
             return plain
-        # Recomputing: one microbatch's activations, and the input per microbatch in flight (received
-        # with `transfers`, the same bytes: counted once).
-        rerun = self.fewest(room - full, cut[lo - 1] * self.b / problem.batch if lo > 0 else 0.0, n)
+        # Recomputing: one checkpoint segment's activations, and the input (received with `transfers`, the same
+        # bytes: counted once) and the checkpoints per microbatch in flight.
+        kept = (cut[lo - 1] * self.b / problem.batch if lo > 0 else 0.0) + problem.checkpoint_bytes(lo, hi, self.b)
+        rerun = self.fewest(room - problem.rerun_bytes(lo, hi, self.b), kept, n)
         return rerun if plain is None else plain if rerun is None else min(plain, rerun)
 
     def fewest(self, room: float, act: float, n: int) -> int | None:

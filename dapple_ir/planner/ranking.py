@@ -141,6 +141,8 @@ def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tu
                     bases[groups] += forced_grid(problem, base_req, "1f1b")
             pool += interleaved_variants(problem, bases[groups], v)
         pool = [s for s in pool if _keeps_replicas(s.cand, req)]
+        if req.recompute != "none":
+            pool = recompute_variants(problem, req, "interleaved", pool, search=False)
         return "1f1b", unique(zero_variants(problem, req, pool))
     found = [s for s in propose(problem, req, schedule) if keeps_cuts(s.cand, req)]
     if req.data_parallel:

@@ -12,24 +12,27 @@ from dapple_ir.planner.request import Request
 from dapple_ir.planner.scoring import Scored
 
 
-def recompute_variants(problem: Problem, req: Request, schedule: str, pool: list[Scored]) -> list[Scored]:
+def recompute_variants(
+    problem: Problem, req: Request, schedule: str, pool: list[Scored], *, search: bool = True
+) -> list[Scored]:
     """The pool with recomputation: `all` turns it on in every stage of every candidate; `auto` adds
     the DP's plans where every stage may recompute (each trimmed to the stages that need it,
     `trim_recompute`) and, for every candidate that does not fit, the same plan recomputing the stages
     that do not fit without. The DP in recompute mode runs only when nothing fits without
     recomputation: run always (pruned by the best plan's time), it found no faster plan on any shipped
-    profile on 1x8xV100 and cost up to 45% more search time (GNMT-16 on 2x8xV100)."""
+    profile on 1x8xV100 and cost up to 45% more search time (GNMT-16 on 2x8xV100). Without `search`
+    (interleaved pools, whose cuts come from 1f1b's), the pool's own candidates only."""
     if req.recompute == "all":
         everywhere = [dataclasses.replace(s.cand, recompute=(True,) * len(s.cand.stages)) for s in pool]
         pool = [Scored(c, evaluate(problem, c)) for c in everywhere]
-        return pool + _recompute_gather(problem, req, schedule, trim=False)
+        return pool + (_recompute_gather(problem, req, schedule, trim=False) if search else [])
     extra = []
     for s in pool:
-        if not s.estimate.fits and s.cand.virtual == 1:
+        if not s.estimate.fits:
             trimmed = trim_recompute(problem, s.cand, everywhere=True)
             if trimmed is not None:
                 extra.append(trimmed)
-    if not any(s.estimate.fits for s in pool):
+    if search and not any(s.estimate.fits for s in pool):
         extra += _recompute_gather(problem, req, schedule, trim=True)
     return pool + extra
 

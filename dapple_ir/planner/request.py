@@ -82,12 +82,10 @@ def validate(problem: Problem, req: Request) -> None:
         raise PlanError(f"zero must be one of {', '.join(ZERO)}, not '{req.zero}'")
     if req.recompute not in RECOMPUTE:
         raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE)}, not '{req.recompute}'")
-    if req.recompute == "all" and (
-        (req.schedule is not None and req.schedule not in RECOMPUTE_SCHEDULES) or (req.virtual or 1) > 1
-    ):
+    if req.recompute == "all" and req.schedule not in (None, "interleaved", *RECOMPUTE_SCHEDULES):
         raise PlanError(
-            f"recompute=all is modelled for the {' and '.join(RECOMPUTE_SCHEDULES)} schedules without virtual "
-            f"stages, not schedule '{req.schedule}' with virtual={req.virtual}; ask for one of those, or recompute=auto"
+            f"recompute=all is modelled for the {', '.join(RECOMPUTE_SCHEDULES)} and interleaved schedules, not "
+            f"schedule '{req.schedule}'; ask for one of those, or recompute=auto"
         )
     if req.virtual is not None and req.virtual < 1:
         raise PlanError(f"virtual must be auto or a positive integer, not {req.virtual}")

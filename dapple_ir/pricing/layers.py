@@ -11,6 +11,7 @@ allreduce of a device group (`ring`, `dapple_ir.pricing.collectives`). The IR's 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections import Counter
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
+from dapple_ir.analysis.activation_checkpoints import layer_block_starts
 from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving, static_bytes
 from dapple_ir.analysis.peak_memory import param_ops
 from dapple_ir.analysis.precision import (
@@ -99,6 +101,9 @@ class Problem:
     """Where the problem's layers are groups of the module's (tensor parallelism: no cut inside a pattern, whose
     split values cannot cross a stage boundary): the module layer each begins at, and the module's layer count
     last. Empty: layer k is the module's layer k."""
+    block_starts: frozenset[int] = frozenset()
+    """Layers where a recomputing stage's checkpoint segments begin (a new block of the model,
+    `analysis.activation_checkpoints.layer_block_starts`); empty: a recomputing stage reruns whole (a profile)."""
     network: Network = field(init=False, repr=False, compare=False)
     """The cluster's links (built from `cluster`)."""
 
@@ -120,6 +125,9 @@ class Problem:
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
+        self._starts = sorted(self.block_starts)
+        self._pc = [0.0, *accumulate(self.cut_bytes[k - 1] for k in self._starts)]
+        self._segment_acts = [self.pa[b] - self.pa[a] for a, b in itertools.pairwise(self._starts)]
 
     @property
     def layers(self) -> int:
@@ -236,6 +244,24 @@ class Problem:
     def allreduce_s(self, nbytes: float, devices: Sequence[int]) -> float:
         """A ring allreduce of `nbytes` over `devices`, alone on the network."""
         return self.ring(devices).seconds(nbytes)
+
+    def checkpoint_bytes(self, lo: int, hi: int, rows: int) -> float:
+        """What a recomputing stage of layers [lo, hi) keeps per microbatch of `rows` samples besides its received
+        input: the bytes crossing each cut where one of its checkpoint segments begins (`block_starts`)."""
+        first, last = bisect.bisect_right(self._starts, lo), bisect.bisect_left(self._starts, hi)
+        return (self._pc[last] - self._pc[first]) * rows / self.batch if last > first else 0.0
+
+    def rerun_bytes(self, lo: int, hi: int, rows: int) -> float:
+        """The activations a recomputing stage of layers [lo, hi) holds at once while its backward reruns its
+        forward segment by segment: the largest segment's, for a microbatch of `rows` samples."""
+        first, last = bisect.bisect_right(self._starts, lo), bisect.bisect_left(self._starts, hi)
+        pa = self.pa
+        if last == first:
+            largest = pa[hi] - pa[lo]
+        else:
+            ends = max(pa[self._starts[first]] - pa[lo], pa[hi] - pa[self._starts[last - 1]])
+            largest = max(ends, *self._segment_acts[first : last - 1]) if last - first > 1 else ends
+        return largest * rows / self.cost_batch
 
     def capacity(self, device: int) -> float:
         return self.cluster.device(device).memory_bytes
@@ -363,6 +389,7 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int,
         state_factor=state,
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
         unsliceable=_unsliceable_cuts(module),
+        block_starts=layer_block_starts(module),
     )
 
 
@@ -477,6 +504,7 @@ def _merged(whole: Problem, bounds: list[int], **per_layer: Any) -> Problem:
             group_of[k] for k in whole.unsliceable if k + 1 in group_of and group_of[k + 1] != group_of[k]
         ),
         layer_map=tuple(bounds),
+        block_starts=frozenset(g for g, (lo, _hi) in enumerate(groups) if lo in whole.block_starts),
     )
 
 
