@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dapple_ir import schedules
+from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.module_cuts import split_layers
 from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES, tp_ok
 from dapple_ir.cluster.roofline import rescaled_s
@@ -118,12 +119,13 @@ def lower_and_simulate(
         lookup_pass("lower-comm").from_options({}),
         lookup_pass("insert-frees").from_options({}),
     ]
-    for lowering_pass in lowering:
-        try:
-            lowering_pass.apply(ctx, trial)
-        except DappleError as exc:
-            raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
-    result = simulate(trial, cluster=cluster, prices=prices or OpPrices(module, cluster))
+    with collector_paused():  # the programs of a thousand ranks are millions of instructions
+        for lowering_pass in lowering:
+            try:
+                lowering_pass.apply(ctx, trial)
+            except DappleError as exc:
+                raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
+        result = simulate(trial, cluster=cluster, prices=prices or OpPrices(module, cluster))
     return result.iteration_s, max(result.peak_bytes, default=0.0)
 
 

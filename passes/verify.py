@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.plan_checks import run_plan_checks
 from dapple_ir.ir import Module
 from dapple_ir.ir.verifier import verify_module
@@ -23,6 +24,7 @@ class Verify(Pass):
     name = "verify"
 
     def apply(self, ctx: PassContext, module: Module) -> None:
-        verify_module(module)
-        text = module.attrs.cluster or ctx.cluster
-        run_plan_checks(module, ctx.cluster_spec(text) if text else None)
+        with collector_paused():  # a thousand ranks' programs are millions of instructions to walk
+            verify_module(module)
+            text = module.attrs.cluster or ctx.cluster
+            run_plan_checks(module, ctx.cluster_spec(text) if text else None)

@@ -27,6 +27,9 @@ one that does cannot be sliced, and the lowering refuses the split.
 from __future__ import annotations
 
 import dataclasses
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dapple_ir.analysis import tensor_shards
@@ -45,7 +48,23 @@ from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Modu
 
 def lowered_programs(module: Module) -> list[RankProgram]:
     """New programs: each rank's compute instructions with communication, allreduces and the step."""
-    return _Lowering(module).run()
+    with collector_paused():
+        return _Lowering(module).run()
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a block that makes or walks millions of lasting objects (the rank
+    programs' instructions of a thousand ranks, a simulation of them): each full collection walks every object
+    alive, and such a block sets off several, which took more time than the block's own work. Reference counting
+    still frees all that is not in a cycle; the collector runs again after the block."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +115,8 @@ class _Lowering:
                 )
         self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
         self.groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
+        self.tensor_groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
+        self.reduces: dict[tuple[Stage, InstrKind], list[tuple[Op, bool]]] = {}
 
     def peer(self, stage: Stage, replica: int, k: int = 0) -> int:
         key = (stage.name, replica % stage.replicas, k)
@@ -245,26 +266,38 @@ class _Lowering:
         return out
 
     def tensor_reduces(self, rank: int, instr: Instr) -> list[Instr]:
-        """The tensor_allreduces that run inside compute `instr` of a stage with tp > 1 (listed after it): the
-        row-parallel results of a forward (and of a backward's re-run forward, recomputing), then the gradients of
-        the column-parallel ops' whole inputs of a backward that computes input gradients."""
+        """The tensor_allreduces that run inside compute `instr` of a stage with tp > 1 (listed after it)
+        (`reduced_values`), over the tensor group of the rank's replica."""
         stage, mb = instr.stage, instr.mb
         assert stage is not None
         if stage.tp == 1:
             return []
+        values = self.reduced_values(stage, instr.kind)
+        replica = self.replica_of[rank]
+        group = self.tensor_groups.get((stage, replica))
+        if group is None:
+            group = self.tensor_groups[(stage, replica)] = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
+        # Positional (kind, stage, value, grad, mb, peer, rows, group): keywords cost twice as much, millions of times.
+        return [Instr(_TENSOR_REDUCE, None, v, g, mb, None, None, group) for v, g in values]
+
+    def reduced_values(self, stage: Stage, kind: InstrKind) -> list[tuple[Op, bool]]:
+        """(value, grad) of each tensor_allreduce inside a compute of `kind` of `stage` (asked once per both): the
+        row-parallel results of a forward (and of a backward's re-run forward, recomputing), then the gradients of
+        the column-parallel ops' whole inputs of a backward that computes input gradients."""
+        found = self.reduces.get((stage, kind))
+        if found is not None:
+            return found
+        found = self.reduces[(stage, kind)] = []
         # A split backward's input pass runs the column inputs' sums where the stage hands gradients back; one that
         # hands none back (the first stage) runs its whole backward, those sums included, in the weight pass.
         hands_back = any(c.value in self.grads for c in self.into[stage])
-        if instr.kind is (InstrKind.BACKWARD_WEIGHT if hands_back else InstrKind.BACKWARD_INPUT):
-            return []
-        replica = self.replica_of[rank]
-        group = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
-        values: list[tuple[Op, bool]] = []
-        if instr.kind is InstrKind.FORWARD or (stage.recompute and instr.kind is not InstrKind.BACKWARD_WEIGHT):
-            values += [(op, False) for op in tensor_shards.forward_reduces(stage.ops)]
-        if instr.kind in INPUT_GRAD_KINDS or instr.kind is InstrKind.BACKWARD_WEIGHT:
-            values += [(op, True) for op in tensor_shards.backward_reduces(stage.ops)]
-        return [Instr(InstrKind.TENSOR_ALLREDUCE, value=v, grad=g, mb=mb, group=group) for v, g in values]
+        if kind is (InstrKind.BACKWARD_WEIGHT if hands_back else InstrKind.BACKWARD_INPUT):
+            return found
+        if kind is InstrKind.FORWARD or (stage.recompute and kind is not InstrKind.BACKWARD_WEIGHT):
+            found += [(op, False) for op in tensor_shards.forward_reduces(stage.ops)]
+        if kind in INPUT_GRAD_KINDS or kind is InstrKind.BACKWARD_WEIGHT:
+            found += [(op, True) for op in tensor_shards.backward_reduces(stage.ops)]
+        return found
 
     def stage_allreduces(self, rank: int, program: RankProgram) -> list[Instr]:
         # After the last compute, latest stage first: every replica of a device group hosts the same stages,
@@ -302,6 +335,8 @@ class _Lowering:
         return out
 
 
+#: A tensor group's sum inside a compute (`tensor_reduces`).
+_TENSOR_REDUCE = InstrKind.TENSOR_ALLREDUCE
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
 _SHARD_REDUCE = InstrKind.REDUCE_SCATTER

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from dapple_ir.analysis import activation_checkpoints, memory
@@ -184,6 +185,8 @@ class Sizes:
     transfer: dict[Op, float] = field(default_factory=dict)
     params: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
+    shapes: dict[tuple[object, ...], _Shape] = field(default_factory=dict)
+    """`posted_changes` of each program shape (`_shape_key`): replicas of a stage share one."""
 
     def activation(self, stage: Stage) -> float:
         return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops, stage.tp))
@@ -278,11 +281,59 @@ def memory_changes(
 def posted_changes(
     module: Module, program: RankProgram, sizes: Sizes | None = None
 ) -> tuple[dict[int, int], list[tuple[int, float]]]:
-    """`recv_posts` and `memory_changes` under those posts, for the price of one walk over the program."""
-    sizes = sizes or Sizes(module)
-    base = _changes(module, program, sizes)
-    posts = _posts(program, sizes, base, None)
-    return posts, _posted(base, posts)
+    """`recv_posts` and `memory_changes` under those posts, for the price of one walk over the program; worked out
+    once per program shape (`_shape_key`) that `sizes` has seen, the answer shared: callers read it, never change it."""
+    shape = _shape(module, program, sizes or Sizes(module))
+    return shape.posts, shape.changes
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What memory does on every program of one shape (`_shape_key`)."""
+
+    posts: dict[int, int]
+    """`recv_posts`."""
+    changes: list[tuple[int, float]]
+    """`memory_changes` under those posts."""
+    live: float
+    """The most bytes live at once (0 for a program without allocations)."""
+    index: int
+    """Where they are first live (-1 for a program without allocations)."""
+
+
+def _shape(module: Module, program: RankProgram, sizes: Sizes) -> _Shape:
+    key = _shape_key(module, program)
+    found = sizes.shapes.get(key)
+    if found is None:
+        base = _changes(module, program, sizes)
+        posts = _posts(program, sizes, base, None)
+        changes = _posted(base, posts)
+        total, live, index = 0.0, 0.0, -1
+        for at, change in changes:
+            total += change
+            if total > live:
+                live, index = total, at
+        found = sizes.shapes[key] = _Shape(posts, changes, live, index)
+    return found
+
+
+def _shape_key(module: Module, program: RankProgram) -> tuple[object, ...]:
+    """What a program's memory depends on: each instruction less the ranks it names (peers, groups), the
+    microbatches numbered in order of first appearance, and the replica where a split stage's share depends on it.
+    The members of a tensor group run one program; the replicas of a stage run it on microbatches of their own."""
+    instrs = program.instrs
+    mbs = [instr.mb for instr in instrs]
+    labels = {mb: n for n, mb in enumerate(dict.fromkeys(mbs))}
+    split = any(s.split for s in module.stages)
+    return (
+        program.attrs.replica if split else None,
+        tuple(map(_SHAPE_FIELDS, instrs)),
+        tuple(map(labels.__getitem__, mbs)),
+    )
+
+
+#: What `_shape_key` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
+_SHAPE_FIELDS = attrgetter("kind._value_", "stage", "value", "grad", "rows")
 
 
 def _changes(module: Module, program: RankProgram, sizes: Sizes) -> list[tuple[int, float, int]]:
@@ -362,6 +413,8 @@ def recv_posts(
     the headroom, which the runtime benchmark's ablation measures against).
     """
     sizes = sizes or Sizes(module)
+    if headroom is None:
+        return dict(_shape(module, program, sizes).posts)
     return _posts(program, sizes, _changes(module, program, sizes), headroom)
 
 
@@ -413,12 +466,8 @@ def program_peak(module: Module, program: RankProgram, sizes: Sizes | None = Non
     """The rank's static bytes and its live bytes at the worst instruction (`sizes`: shared across ranks)."""
     sizes = sizes or Sizes(module)
     static = sizes.static_of(hosted_stages(module, program))
-    total, peak, where = 0.0, 0.0, -1
-    for index, change in memory_changes(module, program, sizes):
-        total += change
-        if total > peak:
-            peak, where = total, index
-    return RankPeak(program.rank, static, peak, where)
+    shape = _shape(module, program, sizes)
+    return RankPeak(program.rank, static, shape.live, shape.index)
 
 
 def peak_bytes_per_rank(module: Module) -> dict[int, float]:

@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dapple_ir.analysis import memory
+from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import (
     Sizes,
     hosted_stages,
@@ -313,16 +314,18 @@ def simulate_each(
         )
     fractions = _fractions(module, backward_input_fraction)
     spec = _resolve(cluster if cluster is not None else module.attrs.cluster, module)
-    simulator = _Simulator(module, spec, fractions, prices or OpPrices(module, spec))
+    with collector_paused():
+        simulator = _Simulator(module, spec, fractions, prices or OpPrices(module, spec))
     ends: list[float] | None = None  # steady: when each rank ended the step before
     for replay in durations:
         for (rank, index), seconds in replay.items():
             if not (0 <= rank < len(module.programs) and 0 <= index < len(module.programs[rank].instrs)) or seconds < 0:
                 raise DappleError(f"durations: rank {rank} has no instruction {index} to take {seconds} s")
-        if not steady:
-            yield simulator.run(replay)
-            continue
-        result, ends = simulator.settle(replay) if ends is None else simulator.follow(replay, ends)
+        with collector_paused():
+            if steady:
+                result, ends = simulator.settle(replay) if ends is None else simulator.follow(replay, ends)
+            else:
+                result = simulator.run(replay)
         yield result
 
 
@@ -339,7 +342,7 @@ def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage
         if not 0.0 <= f <= 1.0:
             raise DappleError(f"backward_input_fraction of @{name} must lie in [0, 1], got {f}")
     # A gradient goes back for a value where a program sends it: `lower-comm` sends what the runtime computes.
-    sent = {i.value for p in module.programs for i in p.instrs if i.kind is InstrKind.SEND and i.grad}
+    sent = {i.value for p in module.programs for i in p.instrs if i.kind is _SEND and i.grad}
     hands_back = {c.consumer for c in crossings(module) if c.value in sent}
     return {s: named.get(s.name, default if s in hands_back else 0.0) for s in module.stages}
 
@@ -409,8 +412,8 @@ _SEND, _RECV, _ALLREDUCE, _OPTIMIZER_STEP, _FREE, _LOAD = (
     InstrKind.LOAD_MICROBATCH,
 )
 _TENSOR = InstrKind.TENSOR_ALLREDUCE
-#: Group collectives: each blocks its members until its ring ends (ZeRO-1's two halves as the allreduce).
-_COLLECTIVES = frozenset({InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER})
+#: Group collectives besides `allreduce`: each blocks its members until its ring ends (ZeRO-1's two halves).
+_REDUCE_SCATTER, _ALL_GATHER = InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER
 
 
 class _RankCosts(NamedTuple):
@@ -428,21 +431,27 @@ class _RankCosts(NamedTuple):
     """Per instruction, the host's own seconds (`host_s`); None where no device prices them."""
     core_path: tuple[int, int] | None
     """Its (node's cores, own thread) links where ranks share cores (`_core_paths`), else None."""
-    posts: dict[int, list[tuple]]  # type: ignore[type-arg]
-    """Instruction index -> the receives (transfer keys) posted right before it: each recv at its own index, or
+    posts: list[list[tuple] | None]  # type: ignore[type-arg]
+    """Per instruction, the receives (transfer keys) posted right before it (None: none): each recv at its own index, or
     earlier where `peak_memory.recv_posts` moves it."""
 
 
-def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[dict[int, list[tuple]], list[tuple[int, float]]]:  # type: ignore[type-arg]
+def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[list[list[tuple] | None], list[tuple[int, float]]]:  # type: ignore[type-arg]
     """Of `rank`'s program: the receives posted before each instruction (`_RankCosts.posts`), and (instruction
     index, bytes) of each change of its live memory under those posts."""
     program = module.programs[rank]
     early, changes = posted_changes(module, program, sizes)
-    here: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+    # By index, not a dict: the engine looks at every instruction, and a list index is the cheapest look.
+    here: list[list[tuple] | None] = [None] * len(program.instrs)  # type: ignore[type-arg]
     for index, instr in enumerate(program.instrs):
-        if instr.kind is InstrKind.RECV:
+        if instr.kind is _RECV:
+            post = early.get(index, index)
             recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
-            here.setdefault(early.get(index, index), []).append(recv_key)
+            at = here[post]
+            if at is None:
+                here[post] = [recv_key]
+            else:
+                at.append(recv_key)
     return here, changes
 
 
@@ -714,12 +723,15 @@ class _Simulator:
         while i < limit:
             instr = instrs[i]
             kind = instr.kind
-            posts = posts_of.get(i)
+            posts = posts_of[i]
             if posts is not None:
                 self.post(state, r, i, t, posts)
             # Compute kinds fall through to the common tail; the others finish their own entry. Kinds compare by
             # identity: hashing an enum member runs Python code, too slow per instruction.
-            if kind is _FORWARD:
+            if kind is _TENSOR:  # the most frequent kind under tensor parallelism: tried first
+                priced = tensor_of.get(instr.value)  # type: ignore[arg-type]
+                d = self.tensor_s(r, instr) if priced is None else priced
+            elif kind is _FORWARD:
                 d = fwd[instr.stage]  # type: ignore[index]
             elif kind is _BACKWARD:
                 d = bwd[instr.stage]  # type: ignore[index]
@@ -736,7 +748,7 @@ class _Simulator:
                 self.send(state, r, i, instr, t)
                 i += 1
                 continue
-            elif kind is _RECV or kind in _COLLECTIVES:
+            elif kind is _RECV or kind is _ALLREDUCE or kind is _REDUCE_SCATTER or kind is _ALL_GATHER:
                 # Both may block the rank: until the data is in, or the ring has ended; each sets its own end.
                 if not (self.receive if kind is _RECV else self.allreduce)(state, r, i, instr, t):
                     break
@@ -749,9 +761,6 @@ class _Simulator:
                 d = bwd_weight[instr.stage]  # type: ignore[index]
             elif kind is _OPTIMIZER_STEP:
                 d = step_s
-            elif kind is _TENSOR:
-                priced = tensor_of.get(instr.value)  # type: ignore[arg-type]
-                d = self.tensor_s(r, instr) if priced is None else priced
             else:
                 st[i] = en[i] = t
                 i += 1

@@ -1,0 +1,123 @@
+"""What makes a thousand ranks compile fast gives the answers the per-rank computation gives.
+
+Replicas of a stage, and the members of a tensor group, run programs of one shape (`peak_memory._shape_key`): the
+same instructions on microbatches of their own, naming other peers and groups. Their memory (where receives are
+posted, each change, the peak) is worked out once per shape and shared. Here every rank's shared answer is held
+against the same rank's program walked alone (`_changes`, `_posts`, `_posted`), on small plans where sharing could
+go wrong: uneven split replicas (each replica's share of a microbatch its own), the zero-bubble split, interleaved
+virtual stages, tensor groups with recomputation, ZeRO-1. The garbage collector's pause is held to restore its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from functools import cache
+
+import pytest
+
+from dapple_ir import api
+from dapple_ir.analysis import peak_memory
+from dapple_ir.analysis.lowering import collector_paused
+from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
+from dapple_ir.ir import InstrKind, Module, RankProgram
+from tests.paths import ROOT
+
+GPT = str(ROOT / "examples" / "gpt.py") + ":factory"
+
+PLANS: dict[str, dict[str, object]] = {
+    "uneven split, zb-h1": dict(
+        cluster="1x8xA100-80GB", stages=2, data_parallel=3, replication="split", schedule="zb-h1", microbatches=4
+    ),
+    "round-robin, recompute": dict(
+        cluster="2x4xV100-16GB", stages=2, replication="round-robin", recompute="all", microbatches=8
+    ),
+    "interleaved": dict(cluster="1x8xA100-80GB", stages=4, schedule="interleaved", virtual=2, microbatches=8),
+    "tensor groups, round-robin, recompute": dict(
+        cluster="2x8xA100-80GB",
+        stages=2,
+        tensor_parallel=2,
+        data_parallel=4,
+        replication="round-robin",
+        recompute="all",
+        microbatches=16,
+    ),
+    "tensor groups, split": dict(
+        cluster="2x8xA100-80GB", stages=2, tensor_parallel=4, data_parallel=2, replication="split", microbatches=8
+    ),
+    "zero": dict(cluster="1x8xA100-80GB", stages=2, zero="all", microbatches=8),
+}
+
+
+@cache
+def _compiled(name: str) -> Module:
+    return api.compile(GPT, global_batch=64, **PLANS[name]).module  # type: ignore[arg-type]
+
+
+def _walked_alone(module: Module, program: RankProgram) -> tuple[dict[int, int], list[tuple[int, float]], float, int]:
+    """The program's posts, changes, most live bytes and where, from a walk of it alone (nothing shared)."""
+    sizes = Sizes(module)
+    base = peak_memory._changes(module, program, sizes)
+    posts = peak_memory._posts(program, sizes, base, None)
+    changes = peak_memory._posted(base, posts)
+    total, live, where = 0.0, 0.0, -1
+    for index, change in changes:
+        total += change
+        if total > live:
+            live, where = total, index
+    return posts, changes, live, where
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_ranks_shared_memory_equals_its_own_walk(name: str) -> None:
+    module = _compiled(name)
+    shared = Sizes(module)
+    for program in module.programs:
+        posts, changes, live, where = _walked_alone(module, program)
+        assert posted_changes(module, program, shared) == (posts, changes), program.name
+        assert recv_posts(module, program, shared) == posts
+        peak = program_peak(module, program, shared)
+        assert (peak.live_bytes, peak.index) == (live, where), program.name
+        assert program.attrs.peak_bytes == peak.total
+    if not any(s.split for s in module.stages):  # replicas of a split stage may each hold a share of their own
+        assert len(shared.shapes) < len(module.programs)
+
+
+def test_split_replicas_of_uneven_shares_are_shapes_of_their_own() -> None:
+    module = _compiled("uneven split, zb-h1")
+    stage = module.stages[0]
+    b = module.attrs.microbatch_size or 0
+    assert stage.split and len({stage.rows(j, b)[1] - stage.rows(j, b)[0] for j in range(stage.replicas)}) > 1
+    keys = {peak_memory._shape_key(module, p) for p in module.programs if p.attrs.stages == (stage.name,)}
+    assert len(keys) == stage.replicas
+
+
+def test_a_shape_ignores_peers_and_names_of_microbatches_but_not_their_pairing() -> None:
+    module = _compiled("round-robin, recompute")
+    program = module.programs[0]
+    key = peak_memory._shape_key(module, program)
+    moved = [dataclasses.replace(i, peer=None if i.peer is None else i.peer + 100) for i in program.instrs]
+    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=moved)) == key
+    renamed = [dataclasses.replace(i, mb=None if i.mb is None else 1000 - i.mb) for i in program.instrs]
+    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=renamed)) == key
+    # The first free of a stage's activations released for another microbatch: another shape.
+    index = next(k for k, i in enumerate(program.instrs) if i.kind is InstrKind.FREE and i.stage is not None)
+    other = next(i.mb for i in program.instrs if i.mb is not None and i.mb != program.instrs[index].mb)
+    swapped = list(program.instrs)
+    swapped[index] = dataclasses.replace(swapped[index], mb=other)
+    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=swapped)) != key
+
+
+def test_the_collector_pause_restores_the_collectors_state() -> None:
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
