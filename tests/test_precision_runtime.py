@@ -14,6 +14,7 @@ from dapple_ir.api import compile as compile_plan
 from dapple_ir.backends.torch.launch import run
 from dapple_ir.backends.torch.reference import train_reference
 from dapple_ir.backends.torch.results import RunResult
+from tests.paths import ROOT
 from tests.test_runtime import GPT, MLP
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,34 @@ def test_bf16_on_two_processes_trains_like_one_device_under_autocast(spec: str, 
     assert result.check.max_param_diff <= limit and result.check.max_loss_diff <= limit
     fp32 = train_reference(spec, seed=0, steps=2, microbatches=4, microbatch_size=2, optimizer="adam", lr=1e-3)
     assert result.losses != fp32.losses  # autocast did run: bf16 rounds the losses away from fp32's
+
+
+#: The transformers Llama of the README (2 layers, hidden 64, grouped-query attention), captured by torch.export.
+LLAMA = f"{ROOT}/examples/llama.py:factory"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(cluster="2xcpu"), dict(cluster="4xcpu", data_parallel=2, replication="split", zero="all")],
+    ids=["two-stages", "split-replicas-zero-1"],
+)
+def test_llama_under_bf16_trains_like_one_device_under_autocast(layout: dict[str, object], tmp_path: Path) -> None:
+    # torch.export turns each `.to(torch.float32)` that was a no-op at capture (Llama's RMSNorm and its loss's
+    # `logits.float()`) into a dtype assert before the `to`; under autocast the value is 16-bit there, and the
+    # stages must not assert the capture's fp32 (both stages hold such asserts).
+    out = tmp_path / "plan"
+    compiled = compile_plan(
+        LLAMA, global_batch=8, stages=2, microbatches=4, precision="bf16", optimizer="adam", out_dir=out, **layout
+    )  # type: ignore[arg-type]
+    module = compiled.module
+    asserts = [op for op in module.ops if op.target == "aten._assert_tensor_metadata.default"]
+    assert {s.name for s in module.stages for op in s.ops if op in asserts} == {"s0", "s1"}
+    replicated = "zero" in layout
+    assert all(bool(s.attrs.split) == replicated and bool(s.attrs.zero) == replicated for s in module.stages)
+    result = run(out, steps=2, check=True, transport="threads", timeout=120, device="cpu", optimizer="adam", lr=1e-3)
+    _checked(result)
+    fp32 = train_reference(LLAMA, seed=0, steps=2, microbatches=4, microbatch_size=2, optimizer="adam", lr=1e-3)
+    assert result.losses != fp32.losses  # autocast did run
 
 
 def test_fp16_overflow_is_skipped_by_every_rank_and_the_scale_checkpointed(tmp_path: Path) -> None:

@@ -8,6 +8,11 @@ stage that uses them, so a tied parameter has one copy per stage and never cross
 Only the submodules and parameters the stage's nodes reference are kept (fx copies exactly those),
 and they are the very tensors of the model built from the factory and seed, so their initial values
 equal a single-device run's.
+
+A stage's dtypes are its plan's precision's, not the capture's: `torch.export` asserts the dtype of each value
+it met as an `x.to(dtype)` that was a no-op at capture (`aten._assert_tensor_metadata`, Llama's norms and loss),
+and under autocast that value is 16-bit where the capture saw fp32 (the `to` after it still converts). A stage
+keeps those asserts' other checks and drops their dtype (`_without_dtype_assert`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ def split_stage(
         if node in env or node.op == "output" or (node not in members and node not in copied_attrs):
             continue
         env[node] = new.node_copy(node, env.__getitem__)
+        _without_dtype_assert(env[node])
     results = [env[n] for n in outputs]
     if has_loss:
         if not isinstance(loss_node, torch.fx.Node) or loss_node not in env:
@@ -118,6 +124,14 @@ def split_stage(
         has_loss=has_loss,
         params=params,
     )
+
+
+def _without_dtype_assert(node: torch.fx.Node) -> None:
+    """Drop the dtype an `aten._assert_tensor_metadata` node checks (see the module docstring); other nodes stay."""
+    if node.target is not torch.ops.aten._assert_tensor_metadata.default:
+        return
+    node.args = node.args[:3]  # (a, size, stride, dtype): the dtype may come positionally
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
 
 
 def model_param_names(model: torch.nn.Module) -> dict[int, str]:
