@@ -110,7 +110,8 @@ def forced_options(r: MegatronRow, tensor_parallel: bool) -> dict[str, Any]:
     """The `compile` keywords that force Megatron's configuration of row `r` (see the module docstring)."""
     run = MEGATRON_RUNS[r.name]
     options: dict[str, Any] = {
-        "stages": r.pipeline,
+        # A plan's stages count virtual ones: P devices deep, V chunks each.
+        "stages": r.pipeline * run.virtual,
         "microbatches": r.batch // run.micro_batch,
         "replication": "round-robin",
         "recompute": "all",

@@ -147,3 +147,19 @@ def test_a_model_without_a_pattern_may_be_forced_to_run_replicated_in_its_groups
     assert [s.tp for s in module.stages] == [2, 2]
     assert not any(op.tensor_split for op in module.ops)
     assert not any(i.kind is InstrKind.TENSOR_ALLREDUCE for p in module.programs for i in p.instrs)
+
+
+def test_megatrons_interleaved_configuration_counts_device_groups_not_virtual_stages() -> None:
+    """Megatron's interleaved configuration forced (T = 2, D = 2, P = 2 device groups deep of V = 2 chunks each, every
+    stage recomputing): 8 devices hold it, and the stages of one group share their devices; D = 4 needs 16."""
+    megatron = str(ROOT / "examples" / "megatron_gpt.py") + ":factory_tiny"
+    forced = dict(
+        cluster="1x8xA100-80GB", global_batch=16, stages=4, virtual=2, schedule="interleaved", microbatches=8,
+        tensor_parallel=2, recompute="all", replication="round-robin",
+    )  # fmt: skip
+    module = api.compile(megatron, data_parallel=2, **forced).module  # type: ignore[arg-type]
+    assert [(s.replicas, s.tp, s.recompute) for s in module.stages] == [(2, 2, True)] * 4
+    assert module.stages[0].attrs.devices == module.stages[2].attrs.devices
+    assert len({d for s in module.stages for d in s.attrs.devices or ()}) == 8
+    with pytest.raises(DappleError, match="data-parallel 4 x 2 device group"):
+        api.compile(megatron, data_parallel=4, **forced)  # type: ignore[arg-type]

@@ -106,12 +106,14 @@ def validate(problem: Problem, req: Request) -> None:
             f"ask for {2 * req.virtual} stages or more (stages counts every virtual stage)"
         )
     _validate_cuts(problem, req)
+    # Interleaved stages share their device groups: V of them per group.
+    deep = (req.stages or 1) // (req.virtual or 1) or 1
     if req.data_parallel is not None and (
-        req.data_parallel < 1 or req.data_parallel * (req.stages or 1) > problem.cluster.num_devices
+        req.data_parallel < 1 or req.data_parallel * deep > problem.cluster.num_devices
     ):
         groups = f" tensor groups of {problem.tp}" if problem.tp > 1 else " devices"
         raise PlanError(
-            f"data-parallel {req.data_parallel} x {req.stages or 1} stage(s) needs that many{groups}, but cluster "
+            f"data-parallel {req.data_parallel} x {deep} device group(s) deep needs that many{groups}, but cluster "
             f"{problem.cluster.name} has {problem.cluster.num_devices}"
         )
     for what, count in (("stages", req.stages), ("microbatches", req.microbatches)):
