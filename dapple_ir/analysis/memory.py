@@ -7,6 +7,7 @@ compute times linearly by b / cost_batch (DAPPLE's planner does the same).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from dapple_ir.analysis.precision import is_half, is_matmul_class, precision_of
 from dapple_ir.errors import DappleError
@@ -65,30 +66,53 @@ def _buffer_bytes(module: Module, ops: list[Op]) -> float:
     return float(sum(p.nbytes for p in module.params if p.name in names and p.attrs.buffer))
 
 
-def batch_scale(module: Module) -> float:
-    """Factor from the module's cost batch to its microbatch size (1 when either is unset)."""
-    b = module.attrs.microbatch_size
+def batch_scale(module: Module, rows: int | None = None) -> float:
+    """Factor from the module's cost batch to a microbatch of `rows` samples (default: the module's microbatch size;
+    1 when either is unset)."""
+    b = rows or module.attrs.microbatch_size
     c = module.attrs.cost_batch or module.attrs.batch
     if not b or not c:
         return 1.0
     return b / c
 
 
-def activation_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
-    """Bytes `ops` keep for backward for one microbatch (on one member of a tensor group of `tp`: 1/tp of what the
-    ops it splits keep, `Op.tensor_split`), autocast's 16-bit casts included (`autocast_saved_bytes`)."""
-    kept = batch_scale(module) * sum(
+def activation_bytes(module: Module, ops: list[Op], tp: int = 1, rows: int | None = None) -> float:
+    """Bytes `ops` (a stage) keep for backward for one microbatch of `rows` samples (default: the module's
+    microbatch), on one member of a tensor group of `tp` (1/tp of what the ops it splits keep, `Op.tensor_split`),
+    autocast's 16-bit casts included (`autocast_saved_bytes`)."""
+    return _captured_bytes(module, ops, tp, rows) + autocast_saved_bytes(module, ops, tp, rows)
+
+
+def layer_activation_bytes(
+    module: Module, layers: Sequence[Sequence[Op]], tp: int = 1, rows: int | None = None
+) -> list[float]:
+    """What each of `layers` (a coarsened module's layers, in order) adds to `activation_bytes` of a stage of whole
+    layers, for one microbatch of `rows` samples: its ops' captured bytes, and autocast's copies as a stage holding
+    every layer counts them (`autocast_saved_bytes` of all the layers, each copy in the layer of the matmul saving it).
+
+    A stage of layers [lo, hi) keeps their sum plus what its boundaries add, which depends on where they fall and is
+    not counted here (the planner's per-layer sums leave it out; the plan it returns is priced by `activation_bytes`):
+    the 16-bit casts of the fp32 values it receives that its matmuls read, the copy of a weight that a matmul of
+    another stage also reads, and the copies of weights whose matmul wants a gradient only through a received value.
+    """
+    saved = _autocast_saved_by_op(module, [op for layer in layers for op in layer], tp, rows)
+    return [_captured_bytes(module, layer, tp, rows) + sum(saved.get(op, 0.0) for op in layer) for layer in layers]
+
+
+def _captured_bytes(module: Module, ops: Sequence[Op], tp: int, rows: int | None) -> float:
+    """Capture's `act_bytes` of `ops` for one microbatch of `rows` samples, one member's share of the split ops."""
+    return batch_scale(module, rows) * sum(
         (op.attrs.act_bytes or 0.0) / (tp if tp > 1 and op.tensor_split else 1) for op in ops
     )
-    return kept + autocast_saved_bytes(module, ops, tp)
 
 
 #: Bytes of an element of the 16-bit formats autocast casts to.
 _HALF_BYTES = 2
 
 
-def autocast_saved_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
-    """What autocast adds to what `ops` keep for backward, for one microbatch, under a 16-bit precision (0 under fp32).
+def autocast_saved_bytes(module: Module, ops: list[Op], tp: int = 1, rows: int | None = None) -> float:
+    """What autocast adds to what `ops` (a stage) keep for backward, for one microbatch (of `rows` samples; default:
+    the module's microbatch), under a 16-bit precision (0 under fp32).
 
     A matmul-class op (`precision.is_matmul_class`) runs on 16-bit casts of what it reads, and autograd saves the
     casts, not the fp32 originals (measured on the CPU, `bench/memory.py`):
@@ -103,8 +127,14 @@ def autocast_saved_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
     Not counted: an op autocast widens to fp32 (a loss) saves the fp32 cast of a 16-bit value it reads, which capture
     counts at 16 bits: 2 bytes an element under (16 KiB of the benchmark MLP's 2.7 MiB on its last stage).
     """
+    return sum(_autocast_saved_by_op(module, ops, tp, rows).values())
+
+
+def _autocast_saved_by_op(module: Module, ops: Sequence[Op], tp: int, rows: int | None) -> dict[Op, float]:
+    """`autocast_saved_bytes` of the stage `ops` by the matmul that saves each copy (a weight's: the first of its
+    matmuls that wants it)."""
     if not is_half(precision_of(module)):
-        return 0.0
+        return {}
     # A value's bytes for one microbatch are peak_memory's rule, which reads this module's rules in turn.
     from dapple_ir.analysis.peak_memory import transfer_bytes
 
@@ -112,24 +142,26 @@ def autocast_saved_bytes(module: Module, ops: list[Op], tp: int = 1) -> float:
     wanting = _wanting_grad(module, ops)
     params = {p.name: p for p in module.params if not p.attrs.buffer}
     copied: set[str] = set()
-    weights, casts = 0.0, 0.0
+    saved: dict[Op, float] = {}
     for op in ops:
         if not is_matmul_class(op):
             continue
+        nbytes = 0.0
         if any(v in wanting for v in op.operands if v.kind is not OpKind.GET_ATTR):
             for name in _param_names(op):
                 param = params.get(name)
                 if param is None or name in copied or len(param.type.shape) < 2:
                     continue
                 copied.add(name)
-                weights += param.member_bytes(tp) * _HALF_BYTES / DTYPE_BYTES[param.type.dtype]
+                nbytes += param.member_bytes(tp) * _HALF_BYTES / DTYPE_BYTES[param.type.dtype]
         for v in op.operands:
             if (v not in inside or v.kind is OpKind.INPUT) and v.kind is not OpKind.GET_ATTR and _fp32(v):
-                casts += transfer_bytes(module, v) * _HALF_BYTES / DTYPE_BYTES["f32"]
-    return weights + casts
+                nbytes += transfer_bytes(module, v, (0, rows) if rows else None) * _HALF_BYTES / DTYPE_BYTES["f32"]
+        saved[op] = nbytes
+    return saved
 
 
-def _wanting_grad(module: Module, ops: list[Op]) -> set[Op]:
+def _wanting_grad(module: Module, ops: Sequence[Op]) -> set[Op]:
     """The values `ops` read or compute whose gradient the runtime's backward computes: every floating value from
     another stage (the runtime makes it a leaf that wants a gradient), and what is computed from a trainable parameter
     or from such a value; not the model's inputs."""

@@ -22,7 +22,12 @@ from itertools import accumulate
 from typing import Any
 
 from dapple_ir.analysis.activation_checkpoints import layer_block_starts
-from dapple_ir.analysis.memory import optimizer_state_factor, sharded_state_saving, static_bytes
+from dapple_ir.analysis.memory import (
+    layer_activation_bytes,
+    optimizer_state_factor,
+    sharded_state_saving,
+    static_bytes,
+)
 from dapple_ir.analysis.peak_memory import param_ops
 from dapple_ir.analysis.precision import (
     half_fraction,
@@ -53,7 +58,11 @@ class Problem:
     bwd_s: list[float]
     """Backward time per layer at `cost_batch`."""
     act_bytes: list[float]
-    """Activation bytes kept for backward per layer at `cost_batch`."""
+    """Activation bytes kept for backward per layer for a microbatch of `cost_batch` samples: the IR's rule
+    (`memory.layer_activation_bytes`, autocast's 16-bit copies included), scaled linearly to other microbatch sizes.
+    What that linear view leaves out, the plan it returns being priced by `memory.activation_bytes`: a stage's
+    boundary terms (`layer_activation_bytes`), and that autocast's weight copies are per microbatch whatever its size
+    (counted at `cost_batch`'s share)."""
     static_bytes: list[float]
     """Parameters + gradients + optimizer state + buffers per layer (batch independent)."""
     grad_bytes: list[float]
@@ -361,19 +370,20 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int,
         static.append(params * factor + buffers)
         grads.append(params)
     batch = module.attrs.batch or module.attrs.cost_batch or 1
+    cost_batch = module.attrs.cost_batch or batch
     kind = cluster.device(0)
     priced = roofline_ops(module, cluster)
     weighted = [param_ops(module, layer.ops) for layer in module.layers]
     return Problem(
         fwd_s=[layer.attrs.fwd_s or 0.0 for layer in module.layers],
         bwd_s=[layer.attrs.bwd_s or 0.0 for layer in module.layers],
-        act_bytes=[layer.attrs.act_bytes or 0.0 for layer in module.layers],
+        act_bytes=layer_activation_bytes(module, [layer.ops for layer in module.layers], rows=cost_batch),
         static_bytes=static,
         grad_bytes=grads,
         cut_bytes=[layer.attrs.cut_bytes or 0.0 for layer in module.layers],
         cluster=cluster,
         global_batch=global_batch,
-        cost_batch=module.attrs.cost_batch or batch,
+        cost_batch=cost_batch,
         batch=batch,
         names=[layer.name for layer in module.layers],
         fwd_fixed_s=[
@@ -407,16 +417,14 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
     bwd: list[float] = []
     fwd_fixed: list[float] = []
     bwd_fixed: list[float] = []
-    acts: list[float] = []
     static: list[float] = []
     grads: list[float] = []
     models: list[tuple[OpRoofline, ...]] = []
     for layer in module.layers:
-        f = b = ff = bf = act = 0.0
+        f = b = ff = bf = 0.0
         shards: list[OpRoofline] = []
         for op in layer.ops:
             split = op.tensor_split
-            act += (op.attrs.act_bytes or 0.0) / (t if split else 1)
             if op in priced:
                 model = shard_roofline(priced[op], t) if split else priced[op]
                 shards.append(model)
@@ -434,7 +442,7 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
             extra, fixed = ring.seconds(nbytes), ring.fixed_s * len(values)
             f, ff = (f + extra, ff + fixed) if into_fwd else (f, ff)
             b, bf = (b, bf) if into_fwd else (b + extra, bf + fixed)
-        for table, value in ((fwd, f), (bwd, b), (fwd_fixed, ff), (bwd_fixed, bf), (acts, act)):
+        for table, value in ((fwd, f), (bwd, b), (fwd_fixed, ff), (bwd_fixed, bf)):
             table.append(value)
         grads.append(module.param_bytes_of(layer.ops, t))
         static.append(static_bytes(module, layer.ops, t))
@@ -446,7 +454,7 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
         bwd_s=bwd,
         fwd_fixed_s=fwd_fixed,
         bwd_fixed_s=bwd_fixed,
-        act_bytes=acts,
+        act_bytes=layer_activation_bytes(module, [layer.ops for layer in module.layers], t, whole.cost_batch),
         static_bytes=static,
         grad_bytes=grads,
         roofline=models if priced else [],
