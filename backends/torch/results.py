@@ -38,7 +38,8 @@ class CheckResult:
     max_buffer_diff: float = 0.0
     worst_buffer: str = ""
     noise_elements: int = 0
-    """Parameter elements compared by gradient only (noise-level gradient under Adam or AdamW)."""
+    """Parameter elements whose reference gradient was at noise level in some step under Adam or AdamW (its sign not
+    determined): compared within the farthest two runs of Adam can step them apart (`tolerances.adam_reach`)."""
     averaged_buffers: int = 0
     """Buffers of replicated stages: averaged over replicas (checked equal there), not compared to the reference."""
     failures: list[str] = field(default_factory=list)

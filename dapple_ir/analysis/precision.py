@@ -20,6 +20,10 @@ So a transformer's residual stream stays fp32 (the block's output is `x + proj(.
 scores, MLP hidden values and projections are 16-bit. Those values cross cuts, are saved for backward and
 counted at 2 bytes an element; everything else at its captured size. A 32-bit value that a matmul reads is
 saved by autocast as its 16-bit cast, which this count keeps at 32 bits (an overestimate, never an under).
+What autocast saves beyond the captured values is the memory model's (`memory.autocast_saved_bytes`, which the
+planner's per-layer bytes and the IR's peak both read): the 16-bit copy of each weight a matmul wanting a
+gradient reads, one per microbatch in flight whatever its size (autocast's cast cache lives for one forward), and
+the 16-bit casts of the fp32 values a stage receives or loads that its matmuls read.
 CPU autocast keeps norms and softmax in 16-bit where the input is; the runtime sends whatever autocast made
 (the transport's header carries the dtype), so only the price differs, not the numerics.
 Torch-free: planning and simulation never load torch.
