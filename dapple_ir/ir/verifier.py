@@ -11,6 +11,8 @@ Deadlock freedom and memory fit are whole-plan properties checked by the `verify
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
+from operator import attrgetter, is_
 
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import (
@@ -214,6 +216,7 @@ class _Verifier:
     def check_programs(self) -> None:
         n = len(self.module.programs)
         on_device: dict[int, str] = {}
+        shapes: dict[tuple[object, ...], int] = {}
         for index, program in enumerate(self.module.programs):
             device = program.attrs.device
             if device is not None and device in on_device:
@@ -233,10 +236,38 @@ class _Verifier:
                     raise VerifyError(
                         f"verify: program @{program.name} hosts stage @{stage_name}, which is not declared"
                     )
-            for i, instr in enumerate(program.instrs):
+            if not self.may_break(program, index, n, shapes):
+                continue
+            for i, instr in enumerate(program.instrs):  # the walk that finds the first problem and names it
                 problem = self.instr_problem(instr, index, n)
                 if problem:
                     raise self.instr_error(program, i, problem)
+
+    def may_break(self, program: RankProgram, rank: int, n_ranks: int, shapes: dict[tuple[object, ...], int]) -> bool:
+        """Whether an instruction of `program` may have a problem (`instr_problem`); False only where none has.
+
+        Replicas of a stage and the members of a tensor group run programs of one shape: the same kinds, stages,
+        values and parameters, the same fields unset, on microbatches, peers and groups of their own. What
+        `instr_problem` finds from the shape alone is found on the first program of each shape, walked whole; the
+        others are held to it by what differs: their microbatches, peers and groups, each as a set, and (a sharded
+        collective's group is as large as its stage's replicas) their sharded collectives one by one."""
+        if not program.instrs:
+            return False
+        kinds, stages, values, params, mbs, peers, groups = zip(*map(_FIELDS, program.instrs), strict=True)
+        numbered = set(mbs) - {None}
+        last = self.module.attrs.microbatches
+        if numbered and (min(numbered) < 0 or (last is not None and max(numbered) >= last)):
+            return True
+        named = set(peers) - {None}
+        if named and (rank in named or min(named) < 0 or max(named) >= n_ranks):
+            return True
+        if any(rank not in g or min(g) < 0 or max(g) >= n_ranks for g in set(groups) - {None}):
+            return True
+        unset = (tuple(map(_is_none, mbs)), tuple(map(_is_none, peers)), tuple(map(_is_none, groups)))
+        if shapes.setdefault((kinds, stages, values, params, unset), rank) == rank:
+            return True  # the first program of its shape
+        sharded = (i for i, kind in enumerate(kinds) if kind in _SHARD_VALUES)
+        return any(self.shard_problem(program.instrs[i], rank, n_ranks) for i in sharded)
 
     def instr_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
         kind = instr.kind
@@ -298,6 +329,12 @@ class _Verifier:
         if instr.param is not None and instr.param not in self.param_names:
             return f"allreduce of parameter @{instr.param}, which is not declared"
         return None
+
+
+#: What `may_break` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
+_FIELDS = attrgetter("kind._value_", "stage", "value", "param", "mb", "peer", "group")
+_SHARD_VALUES = frozenset({InstrKind.REDUCE_SCATTER.value, InstrKind.ALL_GATHER.value})
+_is_none = partial(is_, None)
 
 
 def _problems(first: str | None, rest: Iterator[str]) -> Iterator[str]:
