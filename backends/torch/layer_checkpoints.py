@@ -36,6 +36,7 @@ class CheckpointedStage:
         self.graph_module = graph_module
         self.what = what
         nodes = list(graph_module.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output = next(n for n in nodes if n.op == "output")
         part = _assign(nodes, segments)
@@ -51,7 +52,7 @@ class CheckpointedStage:
                     f"{what}: checkpoint segment {k} reads %{late[0].name}, which a later segment makes; the stage's "
                     "segments do not follow its graph order"
                 )
-            self.inputs.append(sorted(reads, key=nodes.index))
+            self.inputs.append(sorted(reads, key=order.__getitem__))
             self.outputs.append([n for n in members if any(u not in inside for u in n.users)])
         self.sites: list[Site] | None = None
         """The draws of the first forward, in order (None before it)."""
