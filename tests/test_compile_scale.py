@@ -6,12 +6,16 @@ posted, each change, the peak) is worked out once per shape and shared. Here eve
 against the same rank's program walked alone (`_changes`, `_posts`, `_posted`), on small plans where sharing could
 go wrong: uneven split replicas (each replica's share of a microbatch its own), the zero-bubble split, interleaved
 virtual stages, tensor groups with recomputation, ZeRO-1. The garbage collector's pause is held to restore its state.
+The verifier walks one program of each shape whole: a plan broken on a rank that shares its shape with one before it
+fails with the message (rank, instruction, problem) of a walk over every instruction.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -20,7 +24,9 @@ from dapple_ir import api
 from dapple_ir.analysis import peak_memory
 from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
-from dapple_ir.ir import InstrKind, Module, RankProgram
+from dapple_ir.errors import VerifyError
+from dapple_ir.ir import Instr, InstrKind, Module, RankProgram, verifier
+from dapple_ir.ir.verifier import verify_module
 from tests.paths import ROOT
 
 GPT = str(ROOT / "examples" / "gpt.py") + ":factory"
@@ -121,3 +127,73 @@ def test_the_collector_pause_restores_the_collectors_state() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------ the verifier, once per program shape
+
+
+def _first_problem_walked_whole(module: Module) -> str | None:
+    """The verifier's first instruction problem, from every instruction of every rank (no shapes shared)."""
+    checker = verifier._Verifier(module)
+    n = len(module.programs)
+    for rank, program in enumerate(module.programs):
+        for index, instr in enumerate(program.instrs):
+            problem = checker.instr_problem(instr, rank, n)
+            if problem:
+                return f"verify: {program.name}, instruction {index}: {problem}"
+    return None
+
+
+def _broken(name: str, kind: InstrKind, change: Callable[[Instr, int], Instr]) -> Module:
+    """Plan `name` with `change` (given the instruction and its rank) made to the last rank's first `kind`: a
+    program that shares its shape with a rank before it."""
+    module = copy.deepcopy(_compiled(name))
+    rank = max(r for r, p in enumerate(module.programs) if any(i.kind is kind for i in p.instrs))
+    instrs = module.programs[rank].instrs
+    index = next(k for k, i in enumerate(instrs) if i.kind is kind)
+    instrs[index] = change(instrs[index], rank)
+    return module
+
+
+BREAKS: dict[str, tuple[str, InstrKind, Callable[[Instr, int], Instr]]] = {
+    "tensor group without the rank": (
+        "tensor groups, round-robin, recompute",
+        InstrKind.TENSOR_ALLREDUCE,
+        lambda i, r: dataclasses.replace(i, group=tuple(g for g in i.group or () if g != r)),
+    ),
+    "tensor group past the last rank": (
+        "tensor groups, split",
+        InstrKind.TENSOR_ALLREDUCE,
+        lambda i, r: dataclasses.replace(i, group=(*(i.group or ()), 99)),
+    ),
+    "send to itself": ("round-robin, recompute", InstrKind.SEND, lambda i, r: dataclasses.replace(i, peer=r)),
+    "microbatch out of range": ("interleaved", InstrKind.FORWARD, lambda i, r: dataclasses.replace(i, mb=8)),
+    "receive without a peer": ("uneven split, zb-h1", InstrKind.RECV, lambda i, r: dataclasses.replace(i, peer=None)),
+    "allreduce without the rank": (
+        "round-robin, recompute",
+        InstrKind.ALLREDUCE,
+        lambda i, r: dataclasses.replace(i, group=tuple(g for g in i.group or () if g != r)),
+    ),
+    "sharded group of the wrong size": (
+        "zero",
+        InstrKind.REDUCE_SCATTER,
+        lambda i, r: dataclasses.replace(i, group=(r,)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_verifier_passes_each_plan_walked_whole_or_by_shape(name: str) -> None:
+    module = _compiled(name)
+    assert _first_problem_walked_whole(module) is None
+    verify_module(module)
+
+
+@pytest.mark.parametrize("what", list(BREAKS))
+def test_a_broken_rank_sharing_a_shape_fails_as_walked_whole(what: str) -> None:
+    module = _broken(*BREAKS[what])
+    expected = _first_problem_walked_whole(module)
+    assert expected is not None
+    with pytest.raises(VerifyError) as info:
+        verify_module(module)
+    assert str(info.value).splitlines()[0] == expected

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from operator import attrgetter
 
 from dapple_ir.analysis.peak_memory import Sizes, program_peak
 from dapple_ir.cluster.spec import ClusterSpec
@@ -24,30 +25,36 @@ def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) ->
     if not module.programs:
         return
     check_compute_order(module)
-    instrs = [i for p in module.programs for i in p.instrs]
-    if any(i.kind in (InstrKind.SEND, InstrKind.RECV) or i.kind in COLLECTIVE_KINDS for i in instrs):
+    kinds = {kind for p in module.programs for kind in map(_KIND, p.instrs)}
+    if kinds & {InstrKind.SEND.value, InstrKind.RECV.value, *_COLLECTIVE}:
         problem = find_deadlock(module.programs, module)
         if problem:
             raise VerifyError(f"verify: the programs deadlock: {problem}")
-    if any(i.kind is InstrKind.FREE for i in instrs):
+    if InstrKind.FREE.value in kinds:
         check_frees(module)
         if cluster:
             check_memory(module, cluster)
-    if any(i.kind in _LOWERED for i in instrs):
+    if kinds & {kind.value for kind in _LOWERED}:
         check_optimizer_steps(module)
 
 
 #: Instructions only lowering adds: once one is there, every rank's program must be complete.
 _LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.FREE, InstrKind.OPTIMIZER_STEP}) | COLLECTIVE_KINDS
 
+#: An instruction's kind by its text: the checks ask it of millions of instructions, and hashing an enum member (to
+#: look it up in a set of kinds) runs Python code.
+_KIND = attrgetter("kind._value_")
+_COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
+_COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
+
 
 def check_optimizer_steps(module: Module) -> None:
     """A lowered rank that computes ends its step with exactly one optimizer step, after its last
     forward or backward (else its parameters never change, or change from half a step's gradients)."""
     for program in module.programs:
-        kinds = [i.kind for i in program.instrs]
-        steps = [k for k, kind in enumerate(kinds) if kind is InstrKind.OPTIMIZER_STEP]
-        computes = [k for k, kind in enumerate(kinds) if kind in COMPUTE_KINDS]
+        kinds = list(map(_KIND, program.instrs))
+        steps = [k for k, kind in enumerate(kinds) if kind == InstrKind.OPTIMIZER_STEP.value]
+        computes = [k for k, kind in enumerate(kinds) if kind in _COMPUTE]
         if not computes:
             continue
         if len(steps) != 1:
@@ -82,7 +89,7 @@ def check_compute_order(module: Module) -> None:
     done: dict[tuple[Stage, int, int, int], list[InstrKind]] = {}
     for index, program in enumerate(module.programs):
         for i, instr in enumerate(program.instrs):
-            if instr.kind not in COMPUTE_KINDS or instr.stage is None or instr.mb is None:
+            if instr.kind._value_ not in _COMPUTE or instr.stage is None or instr.mb is None:
                 continue
             stage, mb = instr.stage, instr.mb
             # Every replica of a split stage runs every microbatch (its rows of it).
@@ -174,7 +181,7 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
                     waiting[key] = rank
                     break
                 posted[key] -= 1
-            elif instr.kind in COLLECTIVE_KINDS:
+            elif instr.kind._value_ in _COLLECTIVE:
                 base = (instr.kind, instr.stage, instr.param, instr.group)
                 key = _collective_key(instr, seen_collectives[rank][base])
                 members = arrived.setdefault(key, set())
@@ -262,7 +269,7 @@ def check_frees(module: Module) -> None:
                     raise VerifyError(f"verify: {where} frees what is not live (never made, or freed twice)")
                 live.remove(key)
                 freed.setdefault(instr.mb, []).append((key, i))
-            if instr.kind not in COMPUTE_KINDS or instr.stage is None:
+            if instr.kind._value_ not in _COMPUTE or instr.stage is None:
                 continue
             for (kind, what, _mb), at in freed.get(instr.mb, []):
                 if (kind, what) in touches[instr.stage]:
