@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from itertools import compress, count
 from operator import attrgetter
 
 from dapple_ir.analysis.peak_memory import Sizes, program_peak
@@ -46,6 +47,7 @@ _LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.FREE, InstrKind.
 _KIND = attrgetter("kind._value_")
 _COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
 _COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
+_MEETS = _COLLECTIVE | {InstrKind.SEND.value, InstrKind.RECV.value}
 
 
 def check_optimizer_steps(module: Module) -> None:
@@ -159,7 +161,9 @@ def _collective_key(instr: Instr, occurrence: int) -> tuple[object, ...]:
 def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> str | None:
     """None when all programs run to the end with every send received; else what goes wrong, with the cycle."""
     n = len(programs)
-    pc = [0] * n
+    # Only sends, receives and collectives meet other ranks (the rest never wait): each rank goes from one to the next.
+    stops = [list(compress(count(), map(_MEETS.__contains__, map(_KIND, p.instrs)))) for p in programs]
+    at = [0] * n
     posted: Counter[tuple[object, ...]] = Counter()
     waiting: dict[tuple[object, ...], int] = {}
     arrived: dict[tuple[object, ...], set[int]] = {}
@@ -167,9 +171,9 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
     runnable = deque(range(n))
     while runnable:
         rank = runnable.popleft()
-        instrs = programs[rank].instrs
-        while pc[rank] < len(instrs):
-            instr = instrs[pc[rank]]
+        instrs, mine = programs[rank].instrs, stops[rank]
+        while at[rank] < len(mine):
+            instr = instrs[mine[at[rank]]]
             if instr.kind is InstrKind.SEND:
                 key = _message_key(instr, rank)
                 posted[key] += 1
@@ -181,7 +185,7 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
                     waiting[key] = rank
                     break
                 posted[key] -= 1
-            elif instr.kind._value_ in _COLLECTIVE:
+            else:
                 base = (instr.kind, instr.stage, instr.param, instr.group)
                 key = _collective_key(instr, seen_collectives[rank][base])
                 members = arrived.setdefault(key, set())
@@ -192,9 +196,10 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
                 seen_collectives[rank][base] += 1
                 for other in members - {rank}:
                     seen_collectives[other][base] += 1
-                    pc[other] += 1
+                    at[other] += 1
                     runnable.append(other)
-            pc[rank] += 1
+            at[rank] += 1
+    pc = [mine[k] if k < len(mine) else len(p.instrs) for p, mine, k in zip(programs, stops, at, strict=True)]
     stuck = [r for r in range(n) if pc[r] < len(programs[r].instrs)]
     if stuck:
         return _describe_cycle(programs, pc, stuck[0], arrived, seen_collectives, module)
