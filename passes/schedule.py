@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapple_ir import schedules
-from dapple_ir.analysis.lowering import lowered_programs
+from dapple_ir.analysis.lowering import collector_paused, lowered_programs
 from dapple_ir.analysis.peak_memory import stage_memory
 from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
@@ -201,6 +201,7 @@ def _program(
 def _refuse_deadlock(module: Module, spec: str) -> None:
     # Sends go right after the compute that produced them and recvs right before the compute that
     # needs them, so the compute order deadlocks exactly when its lowering does: check the lowering.
-    cycle = find_deadlock(lowered_programs(module), module)
+    with collector_paused():  # millions of instructions at a thousand ranks: a full collection walks them all
+        cycle = find_deadlock(lowered_programs(module), module)
     if cycle is not None:
         raise ScheduleError(f"{spec}: the order deadlocks: {cycle}")

@@ -21,7 +21,7 @@ from functools import cache
 import pytest
 
 from dapple_ir import api
-from dapple_ir.analysis import peak_memory
+from dapple_ir.analysis import peak_memory, plan_checks
 from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
 from dapple_ir.errors import VerifyError
@@ -197,3 +197,14 @@ def test_a_broken_rank_sharing_a_shape_fails_as_walked_whole(what: str) -> None:
     with pytest.raises(VerifyError) as info:
         verify_module(module)
     assert str(info.value).splitlines()[0] == expected
+
+
+@pytest.mark.parametrize("name", ["round-robin, recompute", "tensor groups, split"])
+def test_frees_checked_once_per_shape_still_name_the_rank_that_breaks(name: str) -> None:
+    module = copy.deepcopy(_compiled(name))
+    rank = len(module.programs) - 1
+    instrs = module.programs[rank].instrs
+    instrs.pop(max(k for k, i in enumerate(instrs) if i.kind is InstrKind.FREE))
+    with pytest.raises(VerifyError, match=f"verify: rank {rank} never frees"):
+        plan_checks.check_frees(module)
+    plan_checks.check_frees(_compiled(name))
