@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.errors import DappleError, PassError
 from dapple_ir.ir import Module
 from dapple_ir.ir.parser import parse_pipeline
 from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.plugins import load_builtins
 from dapple_ir.registry import Pass, PassContext, lookup_pass

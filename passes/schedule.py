@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapple_ir import schedules
-from dapple_ir.analysis.lowering import collector_paused, lowered_programs
+from dapple_ir.analysis.lowering import lowered_programs
 from dapple_ir.analysis.peak_memory import stage_memory
 from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.registry import Pass, PassContext, option, register_pass
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.plan_checks import run_plan_checks
 from dapple_ir.ir import Module
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.registry import Pass, PassContext, register_pass
 

@@ -22,10 +22,10 @@ import pytest
 
 from dapple_ir import api
 from dapple_ir.analysis import peak_memory, plan_checks
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Instr, InstrKind, Module, RankProgram, verifier
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
 from tests.paths import ROOT
 

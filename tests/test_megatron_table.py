@@ -59,7 +59,8 @@ def test_forced_configurations_are_megatrons_and_schedulable():
     for r in ROWS:
         options = forced_options(r, tensor_parallel=True)
         run = MEGATRON_RUNS[r.name]
-        assert options["stages"] == r.pipeline and options["tensor_parallel"] == r.tensor
+        # A plan's stages count virtual ones: Megatron's pipeline depth times its chunks per device.
+        assert options["stages"] == r.pipeline * run.virtual and options["tensor_parallel"] == r.tensor
         assert options["data_parallel"] == r.data
         assert options["recompute"] == "all" and options["replication"] == "round-robin"
         m = options["microbatches"]

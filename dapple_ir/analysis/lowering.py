@@ -27,9 +27,6 @@ one that does cannot be sliced, and the lowering refuses the split.
 from __future__ import annotations
 
 import dataclasses
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dapple_ir.analysis import tensor_shards
@@ -44,27 +41,13 @@ from dapple_ir.analysis.stage_graph import (
 )
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage
+from dapple_ir.ir.scale import collector_paused
 
 
 def lowered_programs(module: Module) -> list[RankProgram]:
     """New programs: each rank's compute instructions with communication, allreduces and the step."""
     with collector_paused():
         return _Lowering(module).run()
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a block that makes or walks millions of lasting objects (the rank
-    programs' instructions of a thousand ranks, a simulation of them): each full collection walks every object
-    alive, and such a block sets off several, which took more time than the block's own work. Reference counting
-    still frees all that is not in a cycle; the collector runs again after the block."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dapple_ir.analysis import memory
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import (
     Sizes,
     hosted_stages,
@@ -110,6 +109,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.plan_dir import read_module
 from dapple_ir.pricing.collectives import ring_allreduce
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
