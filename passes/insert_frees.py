@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.peak_memory import Sizes, program_peak
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 _RELEASE = (InstrKind.BACKWARD, InstrKind.BACKWARD_WEIGHT)

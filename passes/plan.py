@@ -18,13 +18,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from dapple_ir import schedules
-from dapple_ir.analysis.lowering import collector_paused
 from dapple_ir.analysis.module_cuts import split_layers
 from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES, tp_ok
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
+from dapple_ir.ir.scale import collector_paused
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices

@@ -1,6 +1,6 @@
 """What makes a thousand ranks compile fast gives the answers the per-rank computation gives.
 
-Replicas of a stage, and the members of a tensor group, run programs of one shape (`peak_memory._shape_key`): the
+Replicas of a stage, and the members of a tensor group, run programs of one shape (`peak_memory.program_shape`): the
 same instructions on microbatches of their own, naming other peers and groups. Their memory (where receives are
 posted, each change, the peak) is worked out once per shape and shared. Here every rank's shared answer is held
 against the same rank's program walked alone (`_changes`, `_posts`, `_posted`), on small plans where sharing could
@@ -94,24 +94,24 @@ def test_split_replicas_of_uneven_shares_are_shapes_of_their_own() -> None:
     stage = module.stages[0]
     b = module.attrs.microbatch_size or 0
     assert stage.split and len({stage.rows(j, b)[1] - stage.rows(j, b)[0] for j in range(stage.replicas)}) > 1
-    keys = {peak_memory._shape_key(module, p) for p in module.programs if p.attrs.stages == (stage.name,)}
+    keys = {peak_memory.program_shape(module, p) for p in module.programs if p.attrs.stages == (stage.name,)}
     assert len(keys) == stage.replicas
 
 
 def test_a_shape_ignores_peers_and_names_of_microbatches_but_not_their_pairing() -> None:
     module = _compiled("round-robin, recompute")
     program = module.programs[0]
-    key = peak_memory._shape_key(module, program)
+    key = peak_memory.program_shape(module, program)
     moved = [dataclasses.replace(i, peer=None if i.peer is None else i.peer + 100) for i in program.instrs]
-    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=moved)) == key
+    assert peak_memory.program_shape(module, dataclasses.replace(program, instrs=moved)) == key
     renamed = [dataclasses.replace(i, mb=None if i.mb is None else 1000 - i.mb) for i in program.instrs]
-    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=renamed)) == key
+    assert peak_memory.program_shape(module, dataclasses.replace(program, instrs=renamed)) == key
     # The first free of a stage's activations released for another microbatch: another shape.
     index = next(k for k, i in enumerate(program.instrs) if i.kind is InstrKind.FREE and i.stage is not None)
     other = next(i.mb for i in program.instrs if i.mb is not None and i.mb != program.instrs[index].mb)
     swapped = list(program.instrs)
     swapped[index] = dataclasses.replace(swapped[index], mb=other)
-    assert peak_memory._shape_key(module, dataclasses.replace(program, instrs=swapped)) != key
+    assert peak_memory.program_shape(module, dataclasses.replace(program, instrs=swapped)) != key
 
 
 def test_the_collector_pause_restores_the_collectors_state() -> None:

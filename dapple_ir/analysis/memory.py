@@ -167,7 +167,7 @@ def _wanting_grad(module: Module, ops: Sequence[Op]) -> set[Op]:
     or from such a value; not the model's inputs."""
     trainable = {p.name for p in module.params if not p.attrs.buffer}
     inside = set(ops)
-    wanting = {v for op in ops for v in op.operands if v not in inside and v.kind not in _NO_GRAD and _floating(v)}
+    wanting = {v for op in ops for v in op.operands if v not in inside and v.kind not in _NO_GRAD and is_floating(v)}
     for op in ops:
         if trainable & set(_param_names(op)) or any(v in wanting for v in op.operands):
             wanting.add(op)
@@ -185,7 +185,9 @@ def _param_names(op: Op) -> list[str]:
     ]
 
 
-def _floating(value: Op) -> bool:
+def is_floating(value: Op) -> bool:
+    """Is `value` a floating tensor (one the runtime hands gradients back for: its stage inputs become autograd
+    leaves)?"""
     return isinstance(value.type, TensorType) and value.type.dtype in FLOAT_DTYPES
 
 

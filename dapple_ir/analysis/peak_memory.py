@@ -37,7 +37,6 @@ from dapple_ir.ir import (
     OpKind,
     RankProgram,
     Stage,
-    TensorType,
 )
 from dapple_ir.schedules import StageMemory
 
@@ -94,7 +93,8 @@ def weight_ops(module: Module, stage: Stage) -> list[Op]:
     another stage): its one weight pass is its whole backward."""
     ops = set(stage.ops)
     outside = (OpKind.INPUT, OpKind.GET_ATTR)
-    if not any(v not in ops and v.kind not in outside and _floating(v) for op in stage.ops for v in op.operands):
+    floating = memory.is_floating
+    if not any(v not in ops and v.kind not in outside and floating(v) for op in stage.ops for v in op.operands):
         return []
     return param_ops(module, stage.ops)
 
@@ -120,14 +120,6 @@ def loaded_bytes(module: Module, stage: Stage) -> float:
 def _loaded_of(module: Module, ops: list[Op]) -> float:
     read = {v for op in ops for v in op.operands if v.kind is OpKind.INPUT}
     return sum(transfer_bytes(module, v) for v in read)
-
-
-#: Element types the runtime hands gradients back for (its stage inputs become autograd leaves).
-_DIFFERENTIABLE = frozenset({"f64", "f32", "f16", "bf16", "c64"})
-
-
-def _floating(value: Op) -> bool:
-    return isinstance(value.type, TensorType) and value.type.dtype in _DIFFERENTIABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +178,7 @@ class Sizes:
     params: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     shapes: dict[tuple[object, ...], _Shape] = field(default_factory=dict)
-    """`posted_changes` of each program shape (`_shape_key`): replicas of a stage share one."""
+    """`posted_changes` of each program shape (`program_shape`): replicas of a stage share one."""
 
     def activation(self, stage: Stage) -> float:
         return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops, stage.tp))
@@ -282,14 +274,15 @@ def posted_changes(
     module: Module, program: RankProgram, sizes: Sizes | None = None
 ) -> tuple[dict[int, int], list[tuple[int, float]]]:
     """`recv_posts` and `memory_changes` under those posts, for the price of one walk over the program; worked out
-    once per program shape (`_shape_key`) that `sizes` has seen, the answer shared: callers read it, never change it."""
+    once per program shape (`program_shape`) that `sizes` has seen, the answer shared: callers read it, never change
+    it."""
     shape = _shape(module, program, sizes or Sizes(module))
     return shape.posts, shape.changes
 
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
-    """What memory does on every program of one shape (`_shape_key`)."""
+    """What memory does on every program of one shape (`program_shape`)."""
 
     posts: dict[int, int]
     """`recv_posts`."""
@@ -302,7 +295,7 @@ class _Shape:
 
 
 def _shape(module: Module, program: RankProgram, sizes: Sizes) -> _Shape:
-    key = _shape_key(module, program)
+    key = program_shape(module, program)
     found = sizes.shapes.get(key)
     if found is None:
         base = _changes(module, program, sizes)
@@ -317,7 +310,7 @@ def _shape(module: Module, program: RankProgram, sizes: Sizes) -> _Shape:
     return found
 
 
-def _shape_key(module: Module, program: RankProgram) -> tuple[object, ...]:
+def program_shape(module: Module, program: RankProgram) -> tuple[object, ...]:
     """What a program's memory depends on: each instruction less the ranks it names (peers, groups), the
     microbatches numbered in order of first appearance, and the replica where a split stage's share depends on it.
     The members of a tensor group run one program; the replicas of a stage run it on microbatches of their own."""
@@ -332,7 +325,7 @@ def _shape_key(module: Module, program: RankProgram) -> tuple[object, ...]:
     )
 
 
-#: What `_shape_key` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
+#: What `program_shape` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
 _SHAPE_FIELDS = attrgetter("kind._value_", "stage", "value", "grad", "rows")
 
 

@@ -13,7 +13,7 @@ from collections import Counter, deque
 from itertools import compress, count
 from operator import attrgetter
 
-from dapple_ir.analysis.peak_memory import Sizes, program_peak
+from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
@@ -263,9 +263,10 @@ def check_frees(module: Module) -> None:
     touches = {s: _touches(s) for s in module.stages}
     passed: set[tuple[object, ...]] = set()
     for program in module.programs:
-        # Replicas and tensor-group members run one program on microbatches of their own: what is freed, and when,
-        # depends only on which instructions name the same microbatch, so a program like one that passed passes.
-        shape = _free_shape(program)
+        # Replicas and tensor-group members run one program on microbatches of their own (`program_shape`, which
+        # peak memory shares too): what is freed, and when, depends only on which instructions name the same
+        # microbatch, so a program of a shape that passed passes.
+        shape = program_shape(module, program)
         if shape in passed:
             continue
         passed.add(shape)  # raised below where it does not pass
@@ -293,18 +294,6 @@ def check_frees(module: Module) -> None:
             name = f"@{what.name}" if isinstance(what, Stage) else Namer(module.ops)(what)  # type: ignore[arg-type]
             grad = "grad " if kind == "grad" else ""
             raise VerifyError(f"verify: rank {program.rank} never frees {grad}{name} mb={mb}")
-
-
-def _free_shape(program: RankProgram) -> tuple[object, ...]:
-    """What `check_frees` reads of a program: each instruction's kind, stage, value and gradient flag, and its
-    microbatch numbered in order of first appearance (None too)."""
-    mbs = list(map(_MB, program.instrs))
-    labels = {mb: n for n, mb in enumerate(dict.fromkeys(mbs))}
-    return tuple(map(_FREE_FIELDS, program.instrs)), tuple(map(labels.__getitem__, mbs))
-
-
-_FREE_FIELDS = attrgetter("kind._value_", "stage", "value", "grad")
-_MB = attrgetter("mb")
 
 
 def _touches(stage: Stage) -> set[tuple[str, object]]:

@@ -358,17 +358,8 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int,
     if tp > 1:
         return _tensor_problem(module, cluster, global_batch, tp)
     state = optimizer_state_factor(module.attrs.optimizer)
-    factor = 2.0 + state
-    static, grads = [], []
-    for layer in module.layers:
-        params = module.param_bytes_of(layer.ops)
-        buffers = sum(
-            p.nbytes
-            for p in module.params
-            if p.attrs.buffer and any(p.name in (op.attrs.params or ()) for op in layer.ops)
-        )
-        static.append(params * factor + buffers)
-        grads.append(params)
+    static = [static_bytes(module, layer.ops) for layer in module.layers]
+    grads = [module.param_bytes_of(layer.ops) for layer in module.layers]
     batch = module.attrs.batch or module.attrs.cost_batch or 1
     cost_batch = module.attrs.cost_batch or batch
     kind = cluster.device(0)
