@@ -6,15 +6,18 @@ Release points, for microbatch m on one rank:
   * `free grad %v mb=m`: a received gradient, after the release of the stage that defines v.
 Frees follow the sends that directly follow that compute, so gradients leave before memory is returned.
 `program.attrs.peak_bytes` is then the static peak of `dapple_ir.analysis.peak_memory`.
+Where `plan` handed on the lowering it simulated (`ir.scale.TrialLowering`) and the programs hold its instructions,
+the frees are that lowering's (the same as this pass makes); the peaks are always counted here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from dapple_ir.analysis.peak_memory import Sizes, program_peak
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage
+from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage, scale
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.registry import Pass, PassContext, register_pass
 
@@ -36,9 +39,15 @@ class InsertFrees(Pass):
             for v in {v for op in stage.ops for v in op.operands}:
                 readers.setdefault(v, []).append(stage)
         definers = {op: s for s in module.stages for op in s.ops}
+        handed = scale.handed(module)
+        scale.hand_over(None)
         with collector_paused():
-            for program in module.programs:
-                program.instrs = _with_frees(program, readers, definers)
+            taken = handed.freed(module) if handed is not None else None
+            # Programs that differ only in peers and groups (a tensor group's members) get their frees at the same
+            # places: found once per program of the same instructions otherwise (`_FREES_READ`).
+            made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]] = {}
+            for k, program in enumerate(module.programs):
+                program.instrs = taken[k] if taken is not None else _with_frees(program, readers, definers, made)
             sizes = Sizes(module)
             for program in module.programs:
                 program.attrs.peak_bytes = program_peak(module, program, sizes).total
@@ -55,10 +64,39 @@ def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:
     return result
 
 
-def _with_frees(program: RankProgram, readers: dict[Op, list[Stage]], definers: dict[Op, Stage]) -> list[Instr]:
+def _with_frees(
+    program: RankProgram,
+    readers: dict[Op, list[Stage]],
+    definers: dict[Op, Stage],
+    made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]],
+) -> list[Instr]:
+    free_kind = InstrKind.FREE  # kinds compare by identity: hashing an enum member runs Python code
+    instrs = [i for i in program.instrs if i.kind is not free_kind]
+    key = tuple(map(_FREES_READ, instrs))
+    points = made.get(key)
+    if points is None:
+        points = made[key] = _free_points(program, instrs, readers, definers)
+    out: list[Instr] = []
+    start = 0
+    for at, frees in points:
+        out += instrs[start:at]
+        out += frees
+        start = at
+    out += instrs[start:]
+    return out
+
+
+#: What of each instruction decides where the frees go: not the peers, rows or groups.
+_FREES_READ = attrgetter("kind._value_", "stage", "value", "grad", "mb")
+
+
+def _free_points(
+    program: RankProgram, instrs: list[Instr], readers: dict[Op, list[Stage]], definers: dict[Op, Stage]
+) -> list[tuple[int, list[Instr]]]:
+    """(index into `instrs`, the frees that go right before it) in order: after the compute that releases them and
+    the sends that follow it."""
     # Kinds compare by identity in the loops below: hashing an enum member runs Python code, too slow per instruction.
     free_kind, forward, recv, send = InstrKind.FREE, InstrKind.FORWARD, InstrKind.RECV, InstrKind.SEND
-    instrs = [i for i in program.instrs if i.kind is not free_kind]
     release = _release_index(instrs)
     frees: dict[int, list[Instr]] = {}
 
@@ -86,17 +124,16 @@ def _with_frees(program: RankProgram, readers: dict[Op, list[Stage]], definers: 
         users = [release.get((s, mb)) for s in readers.get(value, [])]
         last = max((i for i in users if i is not None), default=None)
         free_after(last, Instr(free_kind, value=value, mb=mb))
-    out: list[Instr] = []
-    pending: list[Instr] = []
-    for index, instr in enumerate(instrs):
-        if pending and instr.kind is not send:
-            out += pending
-            pending = []
-        out.append(instr)
-        here = frees.get(index)
-        if here is not None:
-            pending += sorted(here, key=_free_order)
-    return out + pending
+    points: list[tuple[int, list[Instr]]] = []
+    for index in sorted(frees):
+        at = index + 1
+        while at < len(instrs) and instrs[at].kind is send:
+            at += 1
+        if points and points[-1][0] == at:
+            points[-1][1].extend(sorted(frees[index], key=_free_order))
+        else:
+            points.append((at, sorted(frees[index], key=_free_order)))
+    return points
 
 
 def _free_order(free: Instr) -> int:

@@ -2,6 +2,8 @@
 
 Where each send, recv and allreduce goes, and why that keeps a deadlock-free compute order
 deadlock-free, is `dapple_ir.analysis.lowering`'s to say (`schedule` checks hand-written orders with it).
+Where `plan` handed on the lowering it simulated (`ir.scale.TrialLowering`) and the programs are its compute
+instructions, this pass takes that lowering's instructions: the same as it would make.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from dapple_ir.analysis.lowering import lowered_programs
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import Module
+from dapple_ir.ir import Module, scale
 from dapple_ir.registry import Pass, PassContext, register_pass
 
 
@@ -24,5 +26,11 @@ class LowerComm(Pass):
     def apply(self, ctx: PassContext, module: Module) -> None:
         if not module.programs:
             raise ScheduleError("lower-comm: the module has no rank programs; run `schedule` first")
-        for program, lowered in zip(module.programs, lowered_programs(module), strict=True):
-            program.instrs = lowered.instrs
+        handed = scale.handed(module)
+        with scale.collector_paused():  # a thousand ranks' programs are millions of instructions
+            taken = handed.lowered(module) if handed is not None else None
+        if taken is None:
+            scale.hand_over(None)  # the programs are not the trial's: no pass after this one could take it
+            taken = [lowered.instrs for lowered in lowered_programs(module)]
+        for program, instrs in zip(module.programs, taken, strict=True):
+            program.instrs = instrs

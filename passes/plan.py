@@ -24,7 +24,7 @@ from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
-from dapple_ir.ir.scale import collector_paused
+from dapple_ir.ir.scale import TrialLowering, collector_paused, hand_over
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices
@@ -69,14 +69,19 @@ class Plan(Pass):
         if not global_batch:
             raise PlanError("plan: no global batch; give plan{global-batch=N} or --global-batch N")
         prices = OpPrices(module, cluster)
+        fastest = _FastestTrial()
 
         def score(trial: Problem, cand: Candidate) -> tuple[float, float]:
-            return lower_and_simulate(module, trial, cand, prices)
+            lowered = lowered_trial(module, trial, cand)
+            seconds, peak = simulated(lowered, trial, prices)
+            fastest.offer(trial, cand, lowered, seconds)
+            return seconds, peak
 
         problem, outcome = _search_degrees(
             module, cluster, int(global_batch), request, self.tensor_parallel, score if self.simulate else None
         )
         write_stages(module, problem, outcome.chosen.cand)
+        hand_over(fastest.hand_over(module, problem, outcome.chosen.cand))
         write_costs_at_microbatch(module, problem, outcome.chosen.cand)
         module.attrs.cluster = cluster_text
         module.attrs.predicted_iteration_s = outcome.chosen.time_s
@@ -108,12 +113,18 @@ def lower_and_simulate(
 ) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy, its ops priced by
     `prices` (by default, the module's on the problem's cluster)."""
+    trial = lowered_trial(module, problem, cand)
+    return simulated(trial, problem, prices or OpPrices(module, problem.base_cluster or problem.cluster))
+
+
+def lowered_trial(module: Module, problem: Problem, cand: Candidate) -> Module:
+    """A copy of `module` with `cand`'s stages, lowered (`schedule`, `lower-comm`, `insert-frees`, found by name in
+    the registry)."""
     # The lowering passes write stages, programs and module attributes, never ops or parameters: a
     # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
     trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
     write_stages(trial, problem, cand)
     ctx = PassContext()
-    cluster = problem.base_cluster or problem.cluster
     lowering = [
         lookup_pass("schedule").from_options({"kind": cand.schedule, "virtual": str(cand.virtual)}),
         lookup_pass("lower-comm").from_options({}),
@@ -125,8 +136,46 @@ def lower_and_simulate(
                 lowering_pass.apply(ctx, trial)
             except DappleError as exc:
                 raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
-        result = simulate(trial, cluster=cluster, prices=prices or OpPrices(module, cluster))
+    return trial
+
+
+def simulated(trial: Module, problem: Problem, prices: OpPrices) -> tuple[float, float]:
+    """(iteration time, worst peak bytes) the simulator predicts for a lowered `trial` of `problem`, its ops priced by
+    `prices`."""
+    with collector_paused():
+        result = simulate(trial, cluster=problem.base_cluster or problem.cluster, prices=prices)
     return result.iteration_s, max(result.peak_bytes, default=0.0)
+
+
+@dataclass
+class _FastestTrial:
+    """The lowered trial of the fastest candidate scored so far (the first of equals), for `plan` to hand on to the
+    lowering passes when it is the one chosen (`ir.scale.TrialLowering`); one at a time, as a thousand ranks' programs
+    take gigabytes."""
+
+    problem: Problem | None = None
+    cand: Candidate | None = None
+    trial: Module | None = None
+    seconds: float = float("inf")
+
+    def offer(self, problem: Problem, cand: Candidate, trial: Module, seconds: float) -> None:
+        if seconds < self.seconds:
+            self.problem, self.cand, self.trial, self.seconds = problem, cand, trial, seconds
+
+    def hand_over(self, module: Module, problem: Problem, cand: Candidate) -> TrialLowering | None:
+        """The trial lowering of `cand`, whose stages `module` now has, with the trial's stages put in their place
+        where the two are alike (names, ops and attributes): None where the fastest trial is another plan's."""
+        trial, self.trial = self.trial, None
+        if trial is None or self.problem is not problem or self.cand is not cand:
+            return None
+        alike = len(trial.stages) == len(module.stages) and all(
+            a.name == b.name and a.ops == b.ops and a.attrs == b.attrs
+            for a, b in zip(trial.stages, module.stages, strict=True)
+        )
+        if not alike:
+            return None
+        module.stages = trial.stages
+        return TrialLowering(module, trial.stages, trial.attrs.microbatch_size, trial.programs)
 
 
 def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:

@@ -72,8 +72,11 @@ class Schedule(Pass):
         if set(orders) - set(range(len(device_slots))):
             extra = sorted(set(orders) - set(range(len(device_slots))))
             raise ScheduleError(f"schedule: the order names ranks {extra}, but the stages use {len(device_slots)}")
+        # The members of a tensor group (and the replicas of a split stage) follow one order: they share its
+        # instructions, made once (a thousand ranks' programs are millions of them).
+        made: dict[int, list[Instr]] = {}
         module.programs = [
-            _program(module.stages, rank, (device, slot, k), groups, orders.get(rank, []))
+            _program(rank, (device, slot, k), groups, module.stages, _instrs(module.stages, orders.get(rank), made))
             for rank, (device, slot, k) in enumerate(device_slots)
         ]
         check_compute_order(module)
@@ -185,16 +188,22 @@ def _device_slots(stages: list[Stage], groups: int) -> list[tuple[int, schedules
     return [(device, slot, k) for device, (slot, k) in sorted(owner.items())]
 
 
+def _instrs(stages: list[Stage], order: list[schedules.Work] | None, made: dict[int, list[Instr]]) -> list[Instr]:
+    """The instructions of `order` (a list of their own, the instructions shared with the ranks that follow the same
+    order object: `made` by its id, each order alive while the programs are made)."""
+    if order is None:
+        return []
+    found = made.get(id(order))
+    if found is None:
+        found = made[id(order)] = [Instr(w.kind, stage=stages[w.stage], mb=w.mb) for w in order]
+    return list(found)
+
+
 def _program(
-    stages: list[Stage],
-    rank: int,
-    where: tuple[int, schedules.Slot, int],
-    groups: int,
-    order: list[schedules.Work],
+    rank: int, where: tuple[int, schedules.Slot, int], groups: int, stages: list[Stage], instrs: list[Instr]
 ) -> RankProgram:
     device, (g, replica), k = where
     hosted = tuple(s.name for s in stages[g::groups])
-    instrs = [Instr(w.kind, stage=stages[w.stage], mb=w.mb) for w in order]
     attrs = ProgramAttrs(rank=rank, device=device, replica=replica, tensor_rank=k or None, stages=hosted)
     return RankProgram(f"rank{rank}", instrs, attrs)
 

@@ -21,12 +21,14 @@ from functools import cache
 import pytest
 
 from dapple_ir import api
-from dapple_ir.analysis import peak_memory, plan_checks
+from dapple_ir.analysis import lowering, peak_memory, plan_checks
 from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
 from dapple_ir.errors import VerifyError
-from dapple_ir.ir import Instr, InstrKind, Module, RankProgram, verifier
+from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, RankProgram, scale, verifier
+from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
+from dapple_ir.passes import insert_frees, plan
 from tests.paths import ROOT
 
 GPT = str(ROOT / "examples" / "gpt.py") + ":factory"
@@ -52,6 +54,9 @@ PLANS: dict[str, dict[str, object]] = {
         cluster="2x8xA100-80GB", stages=2, tensor_parallel=4, data_parallel=2, replication="split", microbatches=8
     ),
     "zero": dict(cluster="1x8xA100-80GB", stages=2, zero="all", microbatches=8),
+    "interleaved, recompute": dict(
+        cluster="1x8xA100-80GB", stages=4, schedule="interleaved", virtual=2, recompute="all", microbatches=8
+    ),
 }
 
 
@@ -208,3 +213,87 @@ def test_frees_checked_once_per_shape_still_name_the_rank_that_breaks(name: str)
     with pytest.raises(VerifyError, match=f"verify: rank {rank} never frees"):
         plan_checks.check_frees(module)
     plan_checks.check_frees(_compiled(name))
+
+
+# ------------------------------------------------------------------ the lowering, made once for many ranks
+
+
+def _fields(programs: list[RankProgram]) -> list[list[tuple[object, ...]]]:
+    return [
+        [(i.kind, i.stage, i.value, i.grad, i.mb, i.peer, i.rows, i.group, i.param) for i in p.instrs] for p in programs
+    ]
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_ranks_shared_lowering_equals_its_own(name: str) -> None:
+    """`lower-comm` makes a tensor group's sums once for all its members, `insert-frees` finds the frees once for the
+    programs alike but for peers, `schedule` makes a shared order's instructions once: each rank lowered alone, by a
+    lowering and free points of its own, gets the same instructions."""
+    module = _compiled(name)
+    free = InstrKind.FREE
+    readers: dict[object, list[object]] = {}
+    for stage in module.stages:
+        for v in {v for op in stage.ops for v in op.operands}:
+            readers.setdefault(v, []).append(stage)
+    definers = {op: s for s in module.stages for op in s.ops}
+    computes = [
+        RankProgram(p.name, [dataclasses.replace(i) for i in p.instrs if i.kind in COMPUTE_KINDS], p.attrs)
+        for p in module.programs
+    ]
+    scheduled = dataclasses.replace(module, programs=computes)
+    alone = []
+    for rank, program in enumerate(module.programs):
+        lowered = lowering._Lowering(scheduled).lower(rank, computes[rank])
+        lowered_program = RankProgram(program.name, [i for i in lowered if i.kind is not free], program.attrs)
+        alone.append(
+            RankProgram(program.name, insert_frees._with_frees(lowered_program, readers, definers, {}), program.attrs)  # type: ignore[arg-type]
+        )
+    assert _fields(module.programs) == _fields(alone)
+    if any(s.tp > 1 for s in module.stages):  # the members share their sums' very instructions
+        reduces = [i for p in module.programs for i in p.instrs if i.kind is InstrKind.TENSOR_ALLREDUCE]
+        assert len({id(i) for i in reduces}) < len(reduces)
+
+
+@pytest.mark.parametrize("name", ["round-robin, recompute", "interleaved, recompute", "tensor groups, split", "zero"])
+def test_the_lowering_plan_hands_on_gives_the_plan_lowered_again(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan` hands the lowering it simulated to `lower-comm` and `insert-frees`, which take it: the plan is the one
+    lowered again by those passes, printed and in plan.json alike."""
+    taken: list[str] = []
+    lowered, freed = scale.TrialLowering.lowered, scale.TrialLowering.freed
+
+    def spy(method: Callable[..., object], what: str) -> Callable[..., object]:
+        def spied(self: scale.TrialLowering, module: Module) -> object:
+            found = method(self, module)
+            taken.append(what if found is not None else f"not {what}")
+            return found
+
+        return spied
+
+    monkeypatch.setattr(scale.TrialLowering, "lowered", spy(lowered, "lowered"))
+    monkeypatch.setattr(scale.TrialLowering, "freed", spy(freed, "freed"))
+    fast = api.compile(GPT, global_batch=64, **PLANS[name])  # type: ignore[arg-type]
+    assert taken == ["lowered", "freed"]
+    monkeypatch.setattr(plan, "hand_over", lambda _trial: scale.hand_over(None))
+    again = api.compile(GPT, global_batch=64, **PLANS[name])  # type: ignore[arg-type]
+    assert taken == ["lowered", "freed"]
+    assert print_module(fast.module) == print_module(again.module)
+    assert fast.plan == again.plan
+
+
+def test_a_handed_lowering_is_refused_where_the_programs_are_not_its_own() -> None:
+    module = copy.deepcopy(_compiled("round-robin, recompute"))
+    final = [RankProgram(p.name, list(p.instrs), dataclasses.replace(p.attrs)) for p in module.programs]
+    trial = scale.TrialLowering(module, module.stages, module.attrs.microbatch_size, final)
+    free = InstrKind.FREE
+    for p in module.programs:
+        p.instrs = [i for i in p.instrs if i.kind in COMPUTE_KINDS]
+    assert trial.lowered(module) is not None
+    instrs = module.programs[1].instrs
+    instrs[0] = dataclasses.replace(instrs[0], mb=(instrs[0].mb or 0) + 1)
+    assert trial.lowered(module) is None
+    for p, q in zip(module.programs, final, strict=True):
+        p.instrs = [i for i in q.instrs if i.kind is not free]
+    assert trial.freed(module) is not None
+    module.programs[0].instrs = [dataclasses.replace(i) for i in module.programs[0].instrs]  # alike, but not the same
+    assert trial.freed(module) is None
+    assert trial.freed(copy.deepcopy(module)) is None

@@ -99,6 +99,7 @@ class _Lowering:
         self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
         self.groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
         self.tensor_groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
+        self.tensor_reduced: dict[tuple[Stage, InstrKind, int, int | None], list[Instr]] = {}
         self.reduces: dict[tuple[Stage, InstrKind], list[tuple[Op, bool]]] = {}
 
     def peer(self, stage: Stage, replica: int, k: int = 0) -> int:
@@ -158,7 +159,7 @@ class _Lowering:
         ]
 
     def lower(self, rank: int, program: RankProgram) -> list[Instr]:
-        compute = [i for i in program.instrs if i.kind in COMPUTE_KINDS]
+        compute = [i for i in program.instrs if i.kind._value_ in _COMPUTE]
         first_use, last_grad = self.positions(compute)
         out: list[Instr] = []
         loaded: set[int] = set()
@@ -170,13 +171,13 @@ class _Lowering:
                     loaded.add(mb)
                     out.append(Instr(InstrKind.LOAD_MICROBATCH, mb=mb))
                 out += self.recvs(rank, index, stage, mb, first_use)
-            if instr.kind in INPUT_GRAD_KINDS:
+            if instr.kind._value_ in _INPUT_GRAD:
                 out += self.grad_recvs(rank, stage, mb)
             out.append(instr)
             out += self.tensor_reduces(rank, instr)
             if instr.kind is InstrKind.FORWARD:
                 out += self.sends(rank, stage, mb)
-            if instr.kind in INPUT_GRAD_KINDS:
+            if instr.kind._value_ in _INPUT_GRAD:
                 out += self.grad_sends(rank, index, stage, mb, last_grad)
         out += self.stage_allreduces(rank, program)
         out += self.tied_allreduces(rank)
@@ -193,7 +194,7 @@ class _Lowering:
             for c in self.into[instr.stage]:
                 if instr.kind is InstrKind.FORWARD:
                     first_use.setdefault((c.value, instr.mb), index)
-                if instr.kind in INPUT_GRAD_KINDS:
+                if instr.kind._value_ in _INPUT_GRAD:
                     last_grad[(c.value, instr.mb)] = index
         return first_use, last_grad
 
@@ -255,13 +256,19 @@ class _Lowering:
         assert stage is not None
         if stage.tp == 1:
             return []
-        values = self.reduced_values(stage, instr.kind)
         replica = self.replica_of[rank]
+        # Every member of the group runs these very instructions: made once, for the first member lowered.
+        key = (stage, instr.kind, replica, mb)
+        found = self.tensor_reduced.get(key)
+        if found is not None:
+            return found
+        values = self.reduced_values(stage, instr.kind)
         group = self.tensor_groups.get((stage, replica))
         if group is None:
             group = self.tensor_groups[(stage, replica)] = tuple(self.peer(stage, replica, i) for i in range(stage.tp))
         # Positional (kind, stage, value, grad, mb, peer, rows, group): keywords cost twice as much, millions of times.
-        return [Instr(_TENSOR_REDUCE, None, v, g, mb, None, None, group) for v, g in values]
+        found = self.tensor_reduced[key] = [Instr(_TENSOR_REDUCE, None, v, g, mb, None, None, group) for v, g in values]
+        return found
 
     def reduced_values(self, stage: Stage, kind: InstrKind) -> list[tuple[Op, bool]]:
         """(value, grad) of each tensor_allreduce inside a compute of `kind` of `stage` (asked once per both): the
@@ -318,6 +325,10 @@ class _Lowering:
         return out
 
 
+#: The kinds of `COMPUTE_KINDS` and `INPUT_GRAD_KINDS` by their text, for the loops over every instruction (hashing an
+#: enum member runs Python code).
+_COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
+_INPUT_GRAD = frozenset(kind.value for kind in INPUT_GRAD_KINDS)
 #: A tensor group's sum inside a compute (`tensor_reduces`).
 _TENSOR_REDUCE = InstrKind.TENSOR_ALLREDUCE
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the

@@ -5,6 +5,10 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
+
+from dapple_ir.ir.core import COMPUTE_KINDS, Instr, InstrKind, Module, RankProgram, Stage
 
 
 @contextmanager
@@ -20,3 +24,86 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@dataclass(eq=False)
+class TrialLowering:
+    """The lowering (`schedule`, `lower-comm`, `insert-frees`) that `plan` ran on a copy of `module` to simulate the
+    plan it chose, handed on (`hand_over`) so that `lower-comm` and `insert-frees` take its instructions instead of
+    making them again: at a thousand ranks, millions of them. `plan` gave the module the trial's stages (the same
+    objects, once it checked that they are what it writes), so the trial's instructions name the module's stages.
+    Each pass takes the trial's answer only where its input is what the trial's was (`lowered`, `freed`), so what it
+    writes is what it would have computed. The trial's peaks are not taken: `plan` rewrites the ops' costs after it
+    simulates, and `insert-frees` counts the bytes again."""
+
+    module: Module
+    """The module the trial was lowered for."""
+    stages: list[Stage]
+    """The trial's stages, which `plan` gave the module."""
+    microbatch_size: int | None
+    """The trial's microbatch size: the one module attribute the communication reads besides the stages and graph."""
+    programs: list[RankProgram]
+    """The trial's programs as `insert-frees` left them."""
+
+    def lowered(self, module: Module) -> list[list[Instr]] | None:
+        """Each rank's instructions as `lower-comm` writes them for `module`, where its programs' instructions are
+        the trial's compute instructions (equal field by field, in order); else None."""
+        if not self._same_plan(module):
+            return None
+        free = InstrKind.FREE
+        lowered = [[i for i in p.instrs if i.kind is not free] for p in self.programs]
+        for program, trial in zip(module.programs, lowered, strict=True):
+            if _fields(program.instrs) != _fields([i for i in trial if i.kind._value_ in _COMPUTE]):
+                return None
+        return lowered
+
+    def freed(self, module: Module) -> list[list[Instr]] | None:
+        """Each rank's instructions as `insert-frees` writes them for `module`, where its programs hold the very
+        instruction objects of the trial's less its frees (as `lowered` handed them on); else None."""
+        if not self._same_plan(module):
+            return None
+        free = InstrKind.FREE
+        for program, trial in zip(module.programs, self.programs, strict=True):
+            # Instructions compare equal only to themselves: this compares identities, element by element, in C.
+            if program.instrs != [i for i in trial.instrs if i.kind is not free]:
+                return None
+        return [p.instrs for p in self.programs]
+
+    def _same_plan(self, module: Module) -> bool:
+        return (
+            module is self.module
+            and module.attrs.microbatch_size == self.microbatch_size
+            and len(module.stages) == len(self.stages)
+            and all(a is b for a, b in zip(module.stages, self.stages, strict=True))
+            and len(module.programs) == len(self.programs)
+            and all(_placed(a) == _placed(b) for a, b in zip(module.programs, self.programs, strict=True))
+        )
+
+
+def _placed(program: RankProgram) -> tuple[object, ...]:
+    """A program's name and attributes but its peak (which `insert-frees` writes last)."""
+    return (program.name, replace(program.attrs, peak_bytes=None))
+
+
+#: `COMPUTE_KINDS` by their text (hashing an enum member runs Python code, too slow per instruction).
+_COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
+#: Every field of an instruction, for comparing programs made apart.
+_fields_of = attrgetter(*(f.name for f in fields(Instr)))
+
+
+def _fields(instrs: list[Instr]) -> list[tuple[object, ...]]:
+    return list(map(_fields_of, instrs))
+
+
+_handed: list[TrialLowering] = []
+"""The trial lowering `plan` handed on last (one at most): `insert-frees` takes it back."""
+
+
+def hand_over(trial: TrialLowering | None) -> None:
+    """Hand `trial` on to the passes that lower its module (None: nothing), in place of any handed before."""
+    _handed[:] = [trial] if trial is not None else []
+
+
+def handed(module: Module) -> TrialLowering | None:
+    """The trial lowering handed on for `module`, if any."""
+    return next((t for t in _handed if t.module is module), None)
