@@ -153,10 +153,55 @@ class _Lowering:
         return found
 
     def run(self) -> list[RankProgram]:
-        return [
-            RankProgram(p.name, self.lower(rank, p), dataclasses.replace(p.attrs))
-            for rank, p in enumerate(self.module.programs)
-        ]
+        members = self.tensor_members()
+        programs = self.module.programs
+        out = []
+        for rank, p in enumerate(programs):
+            lead = members[rank][0] if members is not None else rank
+            if lead < rank and programs[lead].instrs == p.instrs:  # the very instructions of its group's lead
+                assert members is not None
+                instrs = self.as_member(out[lead].instrs, self.tensor_of[rank], members)
+            else:
+                instrs = self.lower(rank, p)
+            out.append(RankProgram(p.name, instrs, dataclasses.replace(p.attrs)))
+        return out
+
+    def tensor_members(self) -> dict[int, tuple[int, ...]] | None:
+        """Each rank's tensor group, ranks by tensor rank, where every stage has one tensor-parallel degree T > 1:
+        then member k of a group lowers as its lead (member 0) does, with member k of each group it names
+        (`as_member`). None where the degrees differ (a member's peers are not then its lead's peers' members)."""
+        degrees = {s.tp for s in self.module.stages}
+        if len(degrees) != 1 or degrees == {1}:
+            return None
+        (t,) = degrees
+        members = {}
+        for rank, program in enumerate(self.module.programs):
+            hosted = program.attrs.stages or ()
+            group = (
+                tuple(self.rank_of.get((hosted[0], self.replica_of[rank], k), -1) for k in range(t)) if hosted else ()
+            )
+            if len(group) != t or -1 in group or group[self.tensor_of[rank]] != rank:
+                return None
+            members[rank] = group
+        return members
+
+    def as_member(self, lead: list[Instr], k: int, members: dict[int, tuple[int, ...]]) -> list[Instr]:
+        """Member `k`'s lowered instructions from its lead's (`tensor_members`): each transfer with member k of the
+        lead's peer group, each collective over member k of each group in it (ascending, as `group` lists them); the
+        rest, the lead's very instructions (the group's sums included: the whole group runs them)."""
+        send, recv, tensor = InstrKind.SEND, InstrKind.RECV, _TENSOR_REDUCE
+        out = []
+        for i in lead:
+            kind = i.kind
+            if kind is send or kind is recv:
+                assert i.peer is not None
+                out.append(Instr(kind, i.stage, i.value, i.grad, i.mb, members[i.peer][k], i.rows, i.group, i.param))
+            elif i.group is not None and kind is not tensor:
+                group = tuple(sorted(members[g][k] for g in i.group))
+                out.append(Instr(kind, i.stage, i.value, i.grad, i.mb, i.peer, i.rows, group, i.param))
+            else:
+                out.append(i)
+        return out
 
     def lower(self, rank: int, program: RankProgram) -> list[Instr]:
         compute = [i for i in program.instrs if i.kind._value_ in _COMPUTE]
