@@ -155,7 +155,7 @@ class _Lowering:
     def run(self) -> list[RankProgram]:
         members = self.tensor_members()
         programs = self.module.programs
-        out = []
+        out: list[RankProgram] = []
         for rank, p in enumerate(programs):
             lead = members[rank][0] if members is not None else rank
             if lead < rank and programs[lead].instrs == p.instrs:  # the very instructions of its group's lead
@@ -190,7 +190,7 @@ class _Lowering:
         lead's peer group, each collective over member k of each group in it (ascending, as `group` lists them); the
         rest, the lead's very instructions (the group's sums included: the whole group runs them)."""
         send, recv, tensor = InstrKind.SEND, InstrKind.RECV, _TENSOR_REDUCE
-        out = []
+        out: list[Instr] = []
         for i in lead:
             kind = i.kind
             if kind is send or kind is recv:
