@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dapple_ir.analysis.split_rules import Linear, Split, as_linear, is_split_op, result_split, split_parts
-from dapple_ir.ir import FLOAT_DTYPES, Module, Op, Param, TensorType
+from dapple_ir.analysis.split_rules import (
+    Embedding,
+    Linear,
+    Split,
+    as_class_loss,
+    as_embedding,
+    as_linear,
+    is_split_op,
+    op_name,
+    result_split,
+    split_parts,
+)
+from dapple_ir.analysis.tensor_shards import DEFAULT_DEGREES
+from dapple_ir.ir import FLOAT_DTYPES, Module, Op, OpKind, TensorType
 from dapple_ir.registry import Pass, PassContext, register_pass
+
+#: A vocabulary (an embedding's rows, a cross-entropy's classes) splits only if it is a multiple of this: every
+#: degree a tensor group may have divides it, so the split never keeps a stage from a degree its blocks allow.
+VOCAB_MULTIPLE = max(DEFAULT_DEGREES)
 
 
 @register_pass
@@ -23,10 +39,17 @@ class TensorParallel(Pass):
     the split onto heads, transposes and permutes, split/chunk and slices along other dimensions (a fused QKV
     split into q, k and v gives `tp_parts = 3`), concatenation, GQA's key/value expansion, and attention with
     query, key and value split on their heads. A pattern with a split value that reaches any other op (a
-    reduction, the loss, the model's output) is dropped whole: its ops stay replicated. The embedding and the
-    LM head always stay replicated (no vocabulary-parallel embedding or cross-entropy). The marks do not
-    depend on the degree: each stage's `tp` (planner) decides whether they are used
-    (`dapple_ir.analysis.tensor_shards.tp_ok`).
+    reduction, the model's output) is dropped whole: its ops stay replicated.
+
+    The vocabulary splits too, as Megatron-LM's `VocabParallelEmbedding`, LM head and
+    `vocab_parallel_cross_entropy` split it: an embedding lookup (`tp_role = "vocab"`: weight split on its rows,
+    each member looks up the indices in its range, zeros elsewhere, and the group sums the rows in the forward);
+    an LM head is a column-parallel linear (tied to an embedding's weight or not) whose split logits end at a
+    cross-entropy over them (`tp_role = "loss"`: each member's log-sum-exp and target logit of its classes, summed
+    over the group in the forward; the backward needs no sum). A tied weight splits only where every op reading it
+    does. Only a vocabulary that every degree divides splits (`VOCAB_MULTIPLE`: Megatron pads its vocabulary
+    instead; this pass does not change the model). The marks do not depend on the degree: each stage's `tp`
+    (planner) decides whether they are used (`dapple_ir.analysis.tensor_shards.tp_ok`).
     """
 
     name = "tensor-parallel"
@@ -35,9 +58,12 @@ class TensorParallel(Pass):
         _clear(module)
         found, linears = find_patterns(module)
         _annotate(module, found, linears)
-        cols = sum(role == "col" for role in found.roles.values())
-        rows = len(found.roles) - cols
-        ctx.log(f"tensor-parallel: {cols} column- and {rows} row-parallel matmuls, {len(found.splits)} split values")
+        roles = list(found.roles.values())
+        ctx.log(
+            f"tensor-parallel: {roles.count('col')} column- and {roles.count('row')} row-parallel matmuls, "
+            f"{roles.count('vocab')} vocabulary-parallel embedding(s), {roles.count('loss')} cross-entropy, "
+            f"{len(found.splits)} split values"
+        )
         for reason in found.reasons:
             ctx.log(f"tensor-parallel: left a pattern replicated: {reason}")
 
@@ -49,7 +75,10 @@ class Patterns:
     splits: dict[Op, Split] = field(default_factory=dict)
     """How each value of a pattern is split (a column-parallel result on its last dimension)."""
     roles: dict[Op, str] = field(default_factory=dict)
-    """`col` or `row` for each linear of a pattern."""
+    """`col` or `row` for each linear of a pattern, `loss` for a cross-entropy over split classes, `vocab` for an
+    embedding whose weight splits on its rows."""
+    embeddings: dict[Op, Embedding] = field(default_factory=dict)
+    """The embeddings that split (`vocab`)."""
     failed_seeds: set[Op] = field(default_factory=set)
     """Column-parallel candidates whose pattern reached an op the rules do not cover, or never closed."""
     reasons: list[str] = field(default_factory=list)
@@ -62,8 +91,16 @@ def find_patterns(module: Module) -> tuple[Patterns, dict[Op, Linear]]:
     other patterns)."""
     params = {p.name: p for p in module.params}
     users = module.users()
-    # A linear that shares its weight (a tied LM head) never splits: neither starts nor closes a pattern.
-    linears = {op: lin for op in module.ops if (lin := as_linear(op, params)) and _owns(lin, params, users)}
+    readers = _readers(module)
+    embeddings = {
+        op: emb
+        for op in module.ops
+        if (emb := as_embedding(op, params)) and emb.vocabulary(params) % VOCAB_MULTIPLE == 0 and _looks_up_input(emb)
+    }
+    # A linear that shares its weight splits only as a tied LM head: the weight's other readers all embeddings.
+    linears = {
+        op: lin for op in module.ops if (lin := as_linear(op, params)) and _owns(op, lin, embeddings, readers, users)
+    }
     seeds = {op: _fused_parts(op, users) for op, lin in linears.items() if _is_float(lin.input)}
     reasons: list[str] = []
     while True:
@@ -71,15 +108,52 @@ def find_patterns(module: Module) -> tuple[Patterns, dict[Op, Linear]]:
         reasons += found.reasons
         if not found.failed_seeds:
             found.reasons = reasons
+            heads = {linears[op].weight for op, role in found.roles.items() if role == "col"}
+            found.embeddings = {
+                op: emb
+                for op, emb in embeddings.items()
+                if all(r in embeddings or r.target in heads for r in readers[emb.weight] if r not in emb.reads)
+            }
+            found.roles.update(dict.fromkeys(found.embeddings, "vocab"))
             return found, linears
         for op in found.failed_seeds:
             del seeds[op]
 
 
-def _owns(lin: Linear, params: dict[str, Param], users: dict[Op, list[Op]]) -> bool:
-    """Does the linear alone read its weight and bias (not tied, each get_attr read once), so they may split?"""
+def _looks_up_input(emb: Embedding) -> bool:
+    """Does the embedding look up the model's input (token ids, through views), as a word embedding does? A position
+    embedding's indices are computed (`arange`): Megatron keeps it whole, and so does this pass."""
+    value = emb.indices
+    while value.kind is not OpKind.INPUT:
+        if op_name(value) not in ("view", "reshape", "flatten", "contiguous") or len(value.operands) != 1:
+            return False
+        value = value.operands[0]
+    return True
+
+
+def _readers(module: Module) -> dict[str, list[Op]]:
+    """The ops that read each parameter: those listing it (`OpAttrs.params`) and the `get_attr` ops of it."""
+    found: dict[str, list[Op]] = {p.name: [] for p in module.params}
+    for op in module.ops:
+        names = dict.fromkeys([*(op.attrs.params or ()), *([op.target] if op.kind is OpKind.GET_ATTR else [])])
+        for name in names:
+            if name in found:
+                found[name].append(op)
+    return found
+
+
+def _owns(
+    op: Op, lin: Linear, embeddings: dict[Op, Embedding], readers: dict[str, list[Op]], users: dict[Op, list[Op]]
+) -> bool:
+    """May the linear's weight and bias split: no op reads them but the linear (through its own get_attr ops, each
+    read once) and embeddings of the weight (a tied LM head)?"""
+    if not all(len(users[r]) == 1 for r in lin.reads):
+        return False
     owned = [lin.weight] + ([lin.bias] if lin.bias else [])
-    return not any(params[name].attrs.shared for name in owned) and all(len(users[r]) == 1 for r in lin.reads)
+    lookups = set(embeddings) | {r for emb in embeddings.values() for r in emb.reads}
+    return all(
+        r is op or r in lin.reads or (name == lin.weight and r in lookups) for name in owned for r in readers[name]
+    )
 
 
 def _is_float(value: Op) -> bool:
@@ -96,6 +170,7 @@ def _fused_parts(op: Op, users: dict[Op, list[Op]]) -> int:
 def _grow(module: Module, linears: dict[Op, Linear], seeds: dict[Op, int]) -> Patterns:
     """One forward sweep: splits from the seeds, patterns as union-find components, failures per component."""
     found = Patterns()
+    users = module.users()
     parent: dict[Op, Op] = {}
 
     def root(op: Op) -> Op:
@@ -120,6 +195,18 @@ def _grow(module: Module, linears: dict[Op, Linear], seeds: dict[Op, int]) -> Pa
             (closed if found.splits[lin.input] == (_last(lin.input), 1) else failed).append(op)
             found.roles[op] = "row"
             continue
+        if as_class_loss(op) and split_in == [op.operands[0]]:
+            reason = _loss_problem(op, found.splits[op.operands[0]])
+            (failed if reason else closed).append(op)
+            found.reasons += [reason] if reason else []
+            found.roles[op] = "loss"
+            continue
+        if op_name(op) == "getattr":
+            reason = _shape_read_problem(op, users)
+            if reason:
+                found.reasons.append(reason)
+                failed.append(op)
+            continue
         result = result_split(op, found.splits.get)
         if isinstance(result, str):
             found.reasons.append(result)
@@ -130,6 +217,31 @@ def _grow(module: Module, linears: dict[Op, Linear], seeds: dict[Op, int]) -> Pa
     cols = [op for op, role in found.roles.items() if role == "col"]
     found.failed_seeds = {op for op in cols if root(op) in bad or root(op) not in good}
     return found
+
+
+def _loss_problem(op: Op, split: Split) -> str | None:
+    """Why a cross-entropy cannot close a pattern at its split logits (None: it can): they must be split on the
+    class dimension, in one part, over a vocabulary `VOCAB_MULTIPLE` divides."""
+    logits = op.operands[0].type
+    assert isinstance(logits, TensorType)
+    if split != (1, 1):
+        return f"%{op.name} (cross-entropy) reads logits split on dimension {split[0]}, not on their classes"
+    if logits.shape[1] % VOCAB_MULTIPLE:
+        return (
+            f"%{op.name} (cross-entropy) over {logits.shape[1]} classes: a vocabulary splits only as a multiple of "
+            f"{VOCAB_MULTIPLE}"
+        )
+    return None
+
+
+def _shape_read_problem(op: Op, users: dict[Op, list[Op]]) -> str | None:
+    """A split value's shape (`x.shape`) may only give sizes to views: each member reads its own extent of the
+    split dimension, which is right as a view's size along it and wrong anywhere else."""
+    for item in users.get(op, []):
+        for user in users.get(item, []):
+            if op_name(item) != "getitem" or op_name(user) not in ("view", "reshape"):
+                return f"%{op.name} reads the shape of a split value for %{user.name}, not for a view's sizes"
+    return None
 
 
 def _last(op: Op) -> int:
@@ -148,8 +260,14 @@ def _annotate(module: Module, found: Patterns, linears: dict[Op, Linear]) -> Non
     params = {p.name: p for p in module.params}
     for op, (dim, parts) in found.splits.items():
         op.attrs.tp_dim, op.attrs.tp_parts = dim, parts if parts > 1 else None
+    for emb in found.embeddings.values():
+        params[emb.weight].attrs.tp_dim = 0
+        for read in emb.reads:
+            read.attrs.tp_dim = 0
     for op, role in found.roles.items():
         op.attrs.tp_role = role
+        if role in ("vocab", "loss"):
+            continue
         lin = linears[op]
         parts = found.splits[op][1] if role == "col" else 1
         split = {lin.weight: 0, **({lin.bias: 0} if lin.bias else {})} if role == "col" else {lin.weight: 1}

@@ -7,6 +7,7 @@ import re
 import time
 from collections import Counter
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -69,11 +70,15 @@ def test_gpt_has_a_fused_qkv_column_in_three_parts_and_row_projections(method: s
         assert roles[f"blocks.{i}.attn.proj"] == ("row", None)
         assert roles[f"blocks.{i}.mlp.0"] == ("col", None)
         assert roles[f"blocks.{i}.mlp.2"] == ("row", None)
-    assert len(roles) == 16, "the tied LM head stays replicated"
+    # The vocabulary too: the token embedding, the LM head tied to it (traced outside any module) and the loss.
+    assert roles["tok"] == ("vocab", None) and roles["loss_fn"] == ("loss", None)
+    assert roles["None"] == ("col", None)
+    assert len(roles) == 19
     params = {p.name: (p.attrs.tp_dim, p.attrs.tp_parts) for p in module.params}
     assert params["blocks.0.attn.qkv.weight"] == params["blocks.0.attn.qkv.bias"] == (0, 3)
     assert params["blocks.0.attn.proj.weight"] == (1, None)
-    assert params["blocks.0.attn.proj.bias"] == params["tok.weight"] == (None, None)
+    assert params["blocks.0.attn.proj.bias"] == params["pos.weight"] == (None, None)
+    assert params["tok.weight"] == (0, None), "the tied weight splits on its rows, for both its readers"
     assert params["blocks.0.mlp.0.bias"] == (0, None) and params["blocks.0.mlp.2.weight"] == (1, None)
     attention = [op for op in module.ops if "scaled_dot_product_attention" in str(op.target)]
     assert [op.attrs.tp_dim for op in attention] == [1] * 4, "attention splits its heads"
@@ -86,11 +91,15 @@ def test_gpt_has_a_fused_qkv_column_in_three_parts_and_row_projections(method: s
 def test_each_block_needs_two_forward_and_two_backward_reduces(spec: str) -> None:
     module = _marked(spec)
     forward, backward = forward_reduces(module.ops), backward_reduces(module.ops)
+    # Outside the blocks: the embedding's sum of rows and the loss's; the LM head's input gradient.
+    vocab = [op for op in forward if op.attrs.tp_role in ("vocab", "loss")]
+    assert sorted(str(op.attrs.tp_role) for op in vocab) == ["loss", "vocab"]
+    forward = [op for op in forward if op not in vocab]
     blocks = set(_per_block(forward))
     assert len(blocks) >= 2
     assert _per_block(forward) == dict.fromkeys(blocks, 2)
     # A column-parallel op's whole input is a layer norm's output, traced in the block too.
-    assert len(backward) == len(forward)
+    assert len(backward) == len(forward) + 1
     assert all(isinstance(op.type, TensorType) for op in backward)
 
 
@@ -102,9 +111,9 @@ def test_llama_splits_query_key_value_gate_and_up_by_columns() -> None:
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             assert roles[f"{prefix}.{name}"] == ("col", None), name
         assert roles[f"{prefix}.self_attn.o_proj"] == roles[f"{prefix}.mlp.down_proj"] == ("row", None)
-    assert len(roles) == 14, "the LM head stays replicated"
+    assert len(roles) == 17, "and the untied embedding, LM head and loss split the vocabulary"
     # q, k and v read one whole value, as gate and up do: one backward reduce for each group.
-    assert len(backward_reduces(module.ops)) == 4
+    assert len(backward_reduces(module.ops)) == 5, "and the LM head's input"
     heads = sorted({_shape(op)[2] for op in module.ops if op.attrs.tp_dim == 2 and len(_shape(op)) == 4})
     assert heads == [2, 4], "the views split 4 query heads and 2 key/value heads"
 
@@ -113,14 +122,18 @@ def _shape(op: Op) -> tuple[int, ...]:
     return op.type.shape if isinstance(op.type, TensorType) else ()
 
 
-def test_bert_splits_its_self_attention_and_feed_forward_and_keeps_the_mlm_head_whole() -> None:
+def test_bert_splits_its_self_attention_feed_forward_and_vocabulary_and_keeps_the_mlm_transform_whole() -> None:
     roles = _roles(_marked("tests/hf_zoo.py:bert"))
     for i in range(2):
         prefix = f"bert.encoder.layer.{i}"
         for name in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
             assert roles[f"{prefix}.{name}"] == ("col", None), name
         assert roles[f"{prefix}.attention.output.dense"] == roles[f"{prefix}.output.dense"] == ("row", None)
-    assert len(roles) == 12, "the MLM head's dense, layer norm and decoder stay replicated"
+    # The MLM head's dense and layer norm stay whole; its decoder (tied to the word embeddings) splits the
+    # vocabulary with them and the loss. Token types (2) and positions (computed indices) stay whole.
+    assert roles["bert.embeddings.word_embeddings"] == ("vocab", None)
+    assert roles["cls.predictions.decoder"] == ("col", None) and roles["None"] == ("loss", None)
+    assert len(roles) == 15
 
 
 def test_degrees_follow_the_heads_and_a_failure_names_the_op() -> None:
@@ -284,3 +297,42 @@ def test_the_rules_keep_a_split_only_where_the_shapes_prove_it_stays_contiguous(
     TensorParallel().apply(PassContext(), module)
     roles = [op.attrs.tp_role for op in module.ops if op.attrs.tp_role]
     assert roles == (["col", "row"] if kept else [])
+
+
+# ------------------------------------------------------------------------------ the vocabulary
+
+
+def _gpt_spec(tmp_path: Path, vocab: int, loss: str = "gpt_loss") -> str:
+    """The GPT example with another vocabulary (and loss), as a spec file of its own."""
+    spec = tmp_path / f"gpt_vocab_{vocab}.py"
+    spec.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "import torch.nn.functional as F\n"
+        "from examples.gpt import GPTConfig, GPT, gpt_loss\n"
+        "import torch\n\n\n"
+        "def scaled_loss(logits, targets):\n"
+        "    # The split logits' width used as a number, not as a view's size: a member's would be wrong.\n"
+        "    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) * logits.shape[-1]\n\n\n"
+        "def factory():\n"
+        f"    cfg = GPTConfig(vocab={vocab})\n"
+        "    idx = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))\n"
+        f"    return GPT(cfg), (idx,), {loss}, (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq)),)\n"
+    )
+    return str(spec) + ":factory"
+
+
+def test_a_vocabulary_no_degree_divides_stays_whole_and_the_blocks_still_split(tmp_path: Path) -> None:
+    module = _marked(_gpt_spec(tmp_path, 100), "fx")
+    roles = _roles(module)
+    assert not {"vocab", "loss"} & {role for role, _ in roles.values()} and "None" not in roles
+    assert {p.name: p.attrs.tp_dim for p in module.params}["tok.weight"] is None
+    example = _marked(GPT, "fx")
+    assert degrees(module, list(module.ops)) == degrees(example, list(example.ops)) == (1, 2, 4)
+
+
+def test_a_split_width_read_as_a_number_keeps_the_head_and_its_tied_embedding_whole(tmp_path: Path) -> None:
+    module = _marked(_gpt_spec(tmp_path, 96, "scaled_loss"), "fx")
+    roles = _roles(module)
+    assert not {"vocab", "loss"} & {role for role, _ in roles.values()}
+    assert {p.name: p.attrs.tp_dim for p in module.params}["tok.weight"] is None
+    assert roles["blocks.0.attn.proj"] == ("row", None), "the blocks' patterns do not depend on the head's"

@@ -11,7 +11,7 @@ import pytest
 
 from dapple_ir import api
 from dapple_ir.analysis.peak_memory import transfer_bytes
-from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces
+from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces, summed_bytes
 from dapple_ir.cluster.spec import parse_shorthand
 from dapple_ir.cluster.topology import Network
 from dapple_ir.errors import DappleError
@@ -74,8 +74,10 @@ def test_tensor_allreduces_follow_the_compute_that_runs_them() -> None:
                 assert (last.kind is InstrKind.BACKWARD) == instr.grad
                 assert instr.group == tuple(r for r, p in enumerate(module.programs) if stage.name in p.attrs.stages)
                 counts[(instr.grad, instr.mb)] += 1
-        # Two blocks per stage: two row-parallel results and two column-parallel inputs per block.
-        assert forward == backward == 4
+        # Two blocks per stage: two row-parallel results and two column-parallel inputs per block; the first stage
+        # also sums its embedding's rows, the last its loss and the gradient of its LM head's input.
+        first = stage is module.stages[0]
+        assert (forward, backward) == ((5, 4) if first else (5, 5))
         for mb in range(4):
             assert counts[(False, mb)] == forward and counts[(True, mb)] == backward
 
@@ -97,7 +99,9 @@ def test_simulated_stage_time_is_the_members_closed_form() -> None:
     halves = prices.stage_times(sharded, b, kind, tp=2)
     assert split[0] == pytest.approx(whole[0] + halves[0], rel=1e-12)
     ring = ring_allreduce(Network(cluster), (0, 1))
-    reduces = sum(ring.seconds(transfer_bytes(module, op)) for op in forward_reduces(stage.ops))
+    reduces = sum(
+        ring.seconds(transfer_bytes(module, op, whole=summed_bytes(op, 2))) for op in forward_reduces(stage.ops)
+    )
     result = simulate(module, cluster=cluster)
     events = [
         e for e in result.events() if e.rank == 0 and e.instr.kind is InstrKind.TENSOR_ALLREDUCE and not e.instr.grad

@@ -27,7 +27,15 @@ from dapple_ir.backends.torch.results import RunResult
 from dapple_ir.backends.torch.runtime import Runtime
 from dapple_ir.backends.torch.stage_module import StageModule, model_param_names, split_stage
 from dapple_ir.backends.torch.tensor_graph import shard_stage
-from dapple_ir.backends.torch.tensor_parallel import TensorGroup, gather_shards, shard_of, tensor_groups, whole_of
+from dapple_ir.backends.torch.tensor_parallel import (
+    TensorGroup,
+    VocabCrossEntropy,
+    VocabLookup,
+    gather_shards,
+    shard_of,
+    tensor_groups,
+    whole_of,
+)
 from dapple_ir.backends.torch.thread_ranks import run_threads
 from dapple_ir.backends.torch.transport import ThreadHub, ThreadTransport
 from dapple_ir.backends.torch.worker import RunOptions, hosted_stages
@@ -80,29 +88,13 @@ def _train(sm: StageModule, inputs: tuple[Any, ...]) -> tuple[float, dict[str, t
 def _train_split(c: Captured, tp: int) -> tuple[list[float], dict[int, dict[str, torch.Tensor]]]:
     """The whole model as one stage with `tp` members, each a thread; every member's loss and gradients."""
     c.module.stages = [Stage("s0", list(c.module.ops), StageAttrs(tp=tp, devices=tuple(range(tp))))]
-    hub = ThreadHub(tp)
-    stages = []
-    for k in range(tp):
-        sm = _whole_stage(c)
-        shard_stage(sm, c.module, TensorGroup("s0", tuple(range(tp)), k, ThreadTransport(hub, k), 30.0))
-        stages.append(sm)
-    results: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
+    stages = [_whole_stage(c) for _ in range(tp)]
 
-    def member(k: int) -> None:
-        try:
-            results[k] = _train(stages[k], c.inputs)
-        except BaseException as exc:
-            errors.append(exc)
-            hub.fail(k, str(exc))
+    def member(group: TensorGroup) -> tuple[float, dict[str, torch.Tensor]]:
+        shard_stage(stages[group.member], c.module, group)
+        return _train(stages[group.member], c.inputs)
 
-    threads = [threading.Thread(target=member, args=(k,)) for k in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    results = _members(tp, member)
     return [results[k][0] for k in range(tp)], {k: {f"s0/{n}": g for n, g in results[k][1].items()} for k in range(tp)}
 
 
@@ -129,7 +121,7 @@ def test_a_stage_split_over_two_members_computes_the_whole_stage(spec: str, meth
     c = _capture(_megatron_with_dropout(tmp_path) if spec == "megatron" else spec, method)
     want_loss, want = _train(_whole_stage(c), c.inputs)
     PassManager(build_pipeline("tensor-parallel")).run(c.module)
-    assert {op.attrs.tp_role for op in c.module.ops} == {None, "col", "row"}
+    assert {op.attrs.tp_role for op in c.module.ops} == {None, "col", "row", "vocab", "loss"}
     losses, grads = _train_split(c, 2)
     assert losses[0] == losses[1]  # every member holds the same bits of the whole loss
     assert abs(losses[0] - want_loss) <= 1e-6 * abs(want_loss)
@@ -179,12 +171,16 @@ def _members_agree(plan_dir: Path, result: RunResult) -> None:
     module = load_plan(plan_dir).module
     groups = tensor_groups(module, lambda r: hosted_stages(module, r))
     assert groups
+    compared = 0
     for ranks in groups.values():
         lead = result.params[ranks[0]]
         for other in ranks[1:]:
-            assert result.params[other], other
+            # A member whose stage splits every parameter it holds (the vocabulary alone) has none left whole.
+            assert set(result.params[other]) <= set(lead), other
             for key, value in result.params[other].items():
                 assert torch.equal(value, lead[key]), (other, key)
+                compared += 1
+    assert compared
 
 
 @pytest.mark.slow
@@ -341,3 +337,83 @@ def test_bf16_check_catches_a_member_whose_weight_is_off_by_one_learning_rate(
     assert result.check is not None and not result.check.ok
     assert any(f.startswith("parameter blocks.0.mlp.0.weight on rank 0") for f in result.check.failures), result.check
     assert not any("at step 0" in f or "of step 0" in f for f in result.check.failures), result.check.failures
+
+
+# ------------------------------------------------------------------------------ the vocabulary over a group
+
+
+def _members(tp: int, work: Any) -> list[Any]:
+    """`work(group)` on each member of a tensor group of `tp` threads (the threads transport's real sums)."""
+    hub = ThreadHub(tp)
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def member(k: int) -> None:
+        try:
+            results[k] = work(TensorGroup("s0", tuple(range(tp)), k, ThreadTransport(hub, k), 30.0))
+        except BaseException as exc:
+            errors.append(exc)
+            hub.fail(k, str(exc))
+
+    threads = [threading.Thread(target=member, args=(k,)) for k in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return [results[k] for k in range(tp)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cross_entropy_over_split_classes_is_torchs(reduction: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tp, rows, classes = 4, 24, 40
+    logits = (torch.randn(rows, classes) * 3).to(dtype)
+    target = torch.randint(0, classes, (rows,))
+    target[[2, 7, 19]] = -100  # ignored rows: no loss, no gradient
+    weight = torch.randn(rows) if reduction == "none" else torch.tensor(1.7)
+    whole = logits.clone().requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(whole.float(), target, reduction=reduction)
+    (expected * weight).sum().backward()
+
+    def member(group: TensorGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = shard_of(logits, 1, 1, group.member, tp, "logits").requires_grad_(True)
+        loss = VocabCrossEntropy(group, "loss", reduction, -100)(mine, target)
+        (loss * weight).sum().backward()
+        assert mine.grad is not None and mine.grad.dtype == dtype
+        return loss.detach(), mine.grad
+
+    got = _members(tp, member)
+    for loss, _ in got:
+        assert torch.equal(loss, got[0][0]), "every member holds the very same loss"
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-6)
+    assert whole.grad is not None
+    grad = whole_of([g for _, g in got], 1, 1)
+    # torch's default tolerance for the dtype: fp32 sums in another order, rounded once to the logits' dtype.
+    torch.testing.assert_close(grad, whole.grad)
+    assert not grad[[2, 7, 19]].any()
+
+
+def test_the_vocabulary_parallel_lookup_is_torchs_embedding_and_its_gradient_lands_on_one_member() -> None:
+    torch.manual_seed(0)
+    tp, vocab, width = 2, 16, 5
+    weight = torch.randn(vocab, width)
+    indices = torch.randint(0, vocab, (3, 7))
+    whole = weight.clone().requires_grad_(True)
+    expected = torch.nn.functional.embedding(indices, whole)
+    (expected * expected).sum().backward()
+
+    def member(group: TensorGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = shard_of(weight, 0, 1, group.member, tp, "weight").requires_grad_(True)
+        rows = VocabLookup(group, "tok")(indices, mine)
+        (rows * rows).sum().backward()
+        assert mine.grad is not None
+        return rows.detach(), mine.grad
+
+    got = _members(tp, member)
+    for rows, _ in got:
+        assert torch.equal(rows, expected.detach()), "a sum of one row and zeros is exact"
+    assert whole.grad is not None
+    assert torch.equal(whole_of([g for _, g in got], 0, 1), whole.grad)

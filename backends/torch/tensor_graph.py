@@ -29,7 +29,14 @@ import torch.fx
 
 from dapple_ir.backends.torch.stage_module import StageModule
 from dapple_ir.backends.torch.tensor_draws import draw_whole, draws
-from dapple_ir.backends.torch.tensor_parallel import GroupGradSum, GroupSum, TensorGroup, slice_params
+from dapple_ir.backends.torch.tensor_parallel import (
+    GroupGradSum,
+    GroupSum,
+    TensorGroup,
+    VocabCrossEntropy,
+    VocabLookup,
+    slice_params,
+)
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module, Op, TensorType, TupleType
 
@@ -55,12 +62,18 @@ def shard_graph(graph_module: torch.fx.GraphModule, ops: dict[str, Op], group: T
             _read_through_f(graph_module, node, group, whole_inputs)
         elif op.attrs.tp_role == "row":
             _row_parallel(graph_module, node, group)
+        elif op.attrs.tp_role == "vocab":
+            _vocab_embedding(graph_module, node, group)
+        elif op.attrs.tp_role == "loss":
+            _vocab_loss(graph_module, node, group)
         elif op.attrs.tp_role is not None:
-            raise DappleError(f"%{node.name} has tp_role = {op.attrs.tp_role!r}: the runtime knows col and row")
+            raise DappleError(
+                f"%{node.name} has tp_role = {op.attrs.tp_role!r}: the runtime knows col, row, vocab and loss"
+            )
         elif op.attrs.tp_dim is not None and draws(graph_module, node, _callee(node)):
             draw_whole(node, ops, group.member, group.size)
         elif op.attrs.tp_dim is not None:
-            _local_sizes(node, op, group.size)
+            _local_sizes(node, op, group.size, ops)
     graph.lint()
     graph_module.recompile()
 
@@ -108,6 +121,74 @@ def _row_parallel(graph_module: torch.fx.GraphModule, node: torch.fx.Node, group
     node.op, node.target, node.args, node.kwargs = "call_function", torch.add, (total, b), {}
 
 
+def _vocab_embedding(graph_module: torch.fx.GraphModule, node: torch.fx.Node, group: TensorGroup) -> None:
+    """An embedding lookup becomes `VocabLookup` of its indices in this member's rows of the (sliced) weight."""
+    graph = graph_module.graph
+    indices: Any
+    weight: Any
+    if node.op == "call_module":
+        sub = graph_module.get_submodule(str(node.target))
+        if not isinstance(sub, torch.nn.Embedding) or sub.padding_idx is not None or sub.max_norm is not None:
+            raise DappleError(
+                f"vocabulary-parallel %{node.name} calls {type(sub).__name__}: the runtime splits an nn.Embedding "
+                "without padding_idx or max_norm"
+            )
+        indices, weight = node.args[0], f"{node.target}.weight"
+    elif _callee(node) == "embedding" and str(node.target).startswith("aten."):
+        weight, indices, *rest = node.args  # ATen's order: weight, indices, padding_idx, scale_grad_by_freq, sparse
+        _defaults(node, rest, [-1, False, False])
+    elif _callee(node) == "embedding":
+        indices, weight, *rest = node.args
+        _defaults(node, rest, [None, None, 2.0, False, False])
+    else:
+        raise DappleError(f"vocabulary-parallel %{node.name} calls {node.target}: the runtime splits embeddings only")
+    name = f"tp_vocab_{node.name}"
+    graph_module.add_submodule(name, VocabLookup(group, node.name))
+    with graph.inserting_before(node):
+        w = graph.get_attr(weight) if isinstance(weight, str) else weight
+    node.op, node.target, node.args, node.kwargs = "call_module", name, (indices, w), {}
+
+
+def _defaults(node: torch.fx.Node, given: list[Any], defaults: list[Any]) -> None:
+    """Refuse an embedding whose optional arguments (positional or by keyword) are not their defaults."""
+    if any(g != d for g, d in zip(given, defaults, strict=False)) or any(
+        v not in (None, False) for v in node.kwargs.values()
+    ):
+        raise DappleError(
+            f"vocabulary-parallel %{node.name} passes options to its embedding: the runtime splits a plain lookup"
+        )
+
+
+#: torch's reduction names by ATen's enum (`aten.cross_entropy_loss`'s `reduction` argument).
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _vocab_loss(graph_module: torch.fx.GraphModule, node: torch.fx.Node, group: TensorGroup) -> None:
+    """A cross-entropy of split logits becomes `VocabCrossEntropy` with the call's reduction and ignored index;
+    class weights and label smoothing are refused by name."""
+    aten = str(node.target).startswith("aten.")
+    names = (
+        ["input", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
+        if aten
+        else ["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"]
+    )
+    given: dict[str, Any] = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    if given.get("weight") is not None or given.get("label_smoothing", 0.0) or given.get("size_average") is not None:
+        raise DappleError(
+            f"cross-entropy %{node.name} over split classes passes class weights, label smoothing or size_average: "
+            "the runtime's vocabulary-parallel cross-entropy takes a reduction and ignore_index only"
+        )
+    if given.get("reduce") is not None:
+        raise DappleError(f"cross-entropy %{node.name} passes the deprecated reduce=: use reduction=")
+    reduction = given.get("reduction", 1 if aten else "mean")
+    reduction = _REDUCTIONS.get(reduction, reduction) if aten else reduction
+    name = f"tp_loss_{node.name}"
+    graph_module.add_submodule(
+        name, VocabCrossEntropy(group, node.name, str(reduction), int(given.get("ignore_index", -100)))
+    )
+    node.op, node.target, node.args, node.kwargs = "call_module", name, (given["input"], given["target"]), {}
+
+
 def _linear_parts(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Any, Any, Any]:
     """(input, weight, bias) of a linear node: nodes, or attribute paths for an `nn.Linear` submodule's."""
     if node.op == "call_module":
@@ -123,8 +204,9 @@ def _linear_parts(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> tu
     return args[0], args[1], node.kwargs.get("bias", args[2])
 
 
-def _local_sizes(node: torch.fx.Node, op: Op, tp: int) -> None:
-    """Divide the size arguments of the split dimension by `tp` (module docstring)."""
+def _local_sizes(node: torch.fx.Node, op: Op, tp: int, ops: dict[str, Op]) -> None:
+    """Divide the size arguments of the split dimension by `tp` (module docstring), but for sizes read off a split
+    value's shape: the member's extent already."""
     dim = op.attrs.tp_dim
     assert dim is not None
     callee = _callee(node)
@@ -132,7 +214,7 @@ def _local_sizes(node: torch.fx.Node, op: Op, tp: int) -> None:
     if rank is not None:
         dim %= rank
     if callee in _SHAPED:
-        _local_shape(node, dim, tp)
+        _local_shape(node, dim, tp, ops)
     elif callee in _SPLITS:
         _local_split(node, dim, tp, rank)
     elif callee in _ALONG_DIM:
@@ -159,7 +241,7 @@ def _dim_arg(node: torch.fx.Node, position: int, rank: int | None) -> int | None
     return value % rank if rank else value
 
 
-def _local_shape(node: torch.fx.Node, dim: int, tp: int) -> None:
+def _local_shape(node: torch.fx.Node, dim: int, tp: int, ops: dict[str, Op]) -> None:
     """view/reshape/expand: the size of dimension `dim` divided by `tp`, in any of the argument spellings."""
     spelled = node.args[1] if len(node.args) == 2 else None
     listed = isinstance(spelled, list | tuple)
@@ -168,10 +250,24 @@ def _local_shape(node: torch.fx.Node, dim: int, tp: int) -> None:
         raise DappleError(f"%{node.name} gives its sizes by keyword: the runtime cannot split it over a tensor group")
     if dim >= len(sizes):
         raise DappleError(f"%{node.name} lists {len(sizes)} sizes; its tensor group splits dimension {dim}")
-    sizes[dim] = _local_size(node, sizes[dim], tp)
+    if not _read_off_split(sizes[dim], ops):
+        sizes[dim] = _local_size(node, sizes[dim], tp)
     node.args = (
         (node.args[0], tuple(sizes) if isinstance(spelled, tuple) else sizes) if listed else (node.args[0], *sizes)
     )
+
+
+def _read_off_split(size: Any, ops: dict[str, Op]) -> bool:
+    """Is `size` an extent of a split value's shape (`x.shape[i]`, `x.size(i)`), so already the member's own?"""
+    if not isinstance(size, torch.fx.Node) or not size.args or not isinstance(size.args[0], torch.fx.Node):
+        return False
+    source: Any = size.args[0]
+    if size.target is operator.getitem and source.target in (getattr, "size") and source.args:
+        source = source.args[0]
+    elif size.target != "size":
+        return False
+    op = ops.get(source.name) if isinstance(source, torch.fx.Node) else None
+    return op is not None and op.attrs.tp_dim is not None
 
 
 def _local_split(node: torch.fx.Node, dim: int, tp: int, rank: int | None) -> None:

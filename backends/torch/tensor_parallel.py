@@ -121,6 +121,79 @@ class GroupGradSum(torch.nn.Module):
         return _SumBackward.apply(whole, self.group, self.value)  # type: ignore[no-any-return]
 
 
+class VocabLookup(torch.nn.Module):
+    """Megatron's `VocabParallelEmbedding` as a submodule of a stage's graph: this member's rows of the weight (the
+    `member`-th contiguous 1/T of the vocabulary) looked up for the indices in its range, zeros for the others, and
+    the rows summed over the group (g): every index finds its row on exactly one member, so the sum is exact."""
+
+    def __init__(self, group: TensorGroup, value: str) -> None:
+        super().__init__()
+        self.group, self.value = group, value
+
+    def forward(self, indices: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        local = indices - self.group.member * weight.shape[0]
+        outside = (local < 0) | (local >= weight.shape[0])
+        rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        return _SumForward.apply(rows.masked_fill(outside.unsqueeze(-1), 0), self.group, self.value)  # type: ignore[no-any-return]
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits whose classes are split over the group (Megatron's `vocab_parallel_cross_entropy`).
+
+    Forward, in fp32: each member's log-sum-exp of its classes goes into its row of a [T + 1, N] table and the
+    target's logit (where the target is one of its classes) into the last row; one sum over the group gives every
+    member the whole table (sums with zeros: exact), from which each takes the log-sum-exp over the T rows, in the
+    same order on every member. Backward: the member's slice of softmax minus the target's one-hot, no sum."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: TensorGroup, value: str, options: tuple[str, int]
+    ) -> torch.Tensor:
+        reduction, ignore_index = options
+        x = logits.float()
+        local = target - group.member * x.shape[1]
+        mine = (local >= 0) & (local < x.shape[1])
+        picked = x.gather(1, local.clamp(0, x.shape[1] - 1).unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        table = torch.zeros(group.size + 1, x.shape[0], dtype=torch.float32, device=x.device)
+        table[group.member] = torch.logsumexp(x, dim=1)
+        table[group.size] = picked
+        table = group.sum(table, value, grad=False)
+        lse = torch.logsumexp(table[: group.size], dim=0)
+        valid = target != ignore_index
+        losses = (lse - table[group.size]).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(x, lse, local, mine & valid, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == "none":
+            return losses
+        return losses.sum() / count if reduction == "mean" else losses.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        x, lse, local, hit, valid, count = ctx.saved_tensors
+        probs = torch.exp(x - lse.unsqueeze(1))
+        rows = torch.nonzero(hit).squeeze(1)
+        probs[rows, local[rows]] -= 1.0
+        # Rows whose target is ignored take no gradient, as in torch's cross-entropy.
+        if ctx.reduction == "none":
+            per_row = grad.float()
+        else:
+            per_row = (grad.float() / count if ctx.reduction == "mean" else grad.float()).expand(x.shape[0])
+        scaled = probs * per_row.masked_fill(~valid, 0.0).unsqueeze(1)
+        return scaled.to(ctx.dtype), None, None, None, None
+
+
+class VocabCrossEntropy(torch.nn.Module):
+    """`_VocabCrossEntropy` as a submodule of a stage's graph, with the loss's reduction and ignored index."""
+
+    def __init__(self, group: TensorGroup, value: str, reduction: str, ignore_index: int) -> None:
+        super().__init__()
+        self.group, self.value, self.options = group, value, (reduction, ignore_index)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _VocabCrossEntropy.apply(logits, target, self.group, self.value, self.options)  # type: ignore[no-any-return]
+
+
 # ------------------------------------------------------------------------------ parameter slices
 
 

@@ -41,14 +41,16 @@ from dapple_ir.ir import (
 from dapple_ir.schedules import StageMemory
 
 
-def transfer_bytes(module: Module, value: Op, rows: tuple[int, int] | None = None) -> float:
+def transfer_bytes(module: Module, value: Op, rows: tuple[int, int] | None = None, whole: float | None = None) -> float:
     """Bytes of `value` for one microbatch (`out_bytes` is at the module's batch, scaled to b), or for
-    its `rows` of the microbatch (a piece a split stage sends or receives)."""
+    its `rows` of the microbatch (a piece a split stage sends or receives); `whole`: bytes at the module's batch
+    other than `out_bytes` (what a tensor group's sum of it moves, `tensor_shards.summed_bytes`)."""
     b, batch = module.attrs.microbatch_size, module.attrs.batch
+    at_batch = value.out_bytes if whole is None else whole
     if not b or not batch:
-        return value.out_bytes
+        return at_batch
     n = rows[1] - rows[0] if rows is not None else b
-    return value.out_bytes * n / batch
+    return at_batch * n / batch
 
 
 def replica_rows(module: Module, replica: int) -> Callable[[Stage], tuple[int, int]]:

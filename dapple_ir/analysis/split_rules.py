@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dapple_ir.ir import NORMALISING_CALLEES, Op, OpKind, Param, TensorType, TupleType
+from dapple_ir.ir import FLOAT_DTYPES, NORMALISING_CALLEES, Op, OpKind, Param, TensorType, TupleType
 
 Split = tuple[int, int]
 """(dim, parts) of a value a tensor group holds in pieces."""
@@ -45,6 +45,9 @@ _MATMULS = _names("matmul bmm")
 #: Ops that read a value without making one the pattern cares about.
 _ASSERTS = frozenset({"_assert_tensor_metadata"})
 _LINEARS = frozenset({"linear"})
+_EMBEDDINGS = frozenset({"embedding"})
+#: Losses over classes that a vocabulary-parallel head's split logits may end at (`as_class_loss`).
+_CLASS_LOSSES = frozenset({"cross_entropy", "cross_entropy_loss"})
 _MAX_PERMUTE_RANK = 6
 
 
@@ -112,6 +115,57 @@ def _checked(
     if bias is not None and params[bias].type.shape != (w[0],):
         return None
     return Linear(x, weight, bias, reads)
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """A lookup of rows of a weight parameter [vocabulary, width] by integer indices: an `nn.Embedding` call or the
+    `embedding` function (torch's argument order, or ATen's, weight first)."""
+
+    indices: Op
+    weight: str
+    reads: tuple[Op, ...]
+    """The `get_attr` op that reads the weight (a functional or export capture; none for a module call)."""
+
+    def vocabulary(self, params: dict[str, Param]) -> int:
+        return params[self.weight].type.shape[0]
+
+
+def as_embedding(op: Op, params: dict[str, Param]) -> Embedding | None:
+    """`op` as an embedding lookup, or None."""
+    if op.kind is OpKind.CALL_MODULE:
+        names = op.attrs.params or ()
+        weight = f"{op.target}.weight"
+        if tuple(names) != (weight,) or len(op.operands) != 1:
+            return None
+        found = Embedding(op.operands[0], weight, ())
+    elif op_name(op) in _EMBEDDINGS and op.kind is OpKind.CALL_FUNCTION and len(op.operands) == 2:
+        reads = [o for o in op.operands if o.kind is OpKind.GET_ATTR and o.target in params]
+        others = [o for o in op.operands if o not in reads]
+        if len(reads) != 1 or len(others) != 1:
+            return None
+        found = Embedding(others[0], str(reads[0].target), (reads[0],))
+    else:
+        return None
+    w, x, y = params[found.weight].type.shape, found.indices.type, op.type
+    if len(w) != 2 or not isinstance(x, TensorType) or not isinstance(y, TensorType) or x.dtype in FLOAT_DTYPES:
+        return None
+    return found if y.shape == (*x.shape, w[1]) else None
+
+
+def as_class_loss(op: Op) -> bool:
+    """Is `op` a loss over the classes of its first operand's dimension 1 (`cross_entropy` of [N, C] logits and
+    [N] integer targets), whose vocabulary-parallel form sums over a tensor group (`tp_role = "loss"`)?"""
+    if op.kind is not OpKind.CALL_FUNCTION or op_name(op) not in _CLASS_LOSSES or len(op.operands) < 2:
+        return False
+    logits, target = op.operands[0].type, op.operands[1].type
+    return (
+        isinstance(logits, TensorType)
+        and isinstance(target, TensorType)
+        and len(logits.shape) == 2
+        and target.shape == logits.shape[:1]
+        and target.dtype not in FLOAT_DTYPES
+    )
 
 
 def split_parts(op: Op) -> int:

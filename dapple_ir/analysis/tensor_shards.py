@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dapple_ir.ir import Module, Op, OpKind, Param
+from dapple_ir.ir import Module, Op, OpKind, Param, TensorType
 from dapple_ir.ir.verifier import is_tensor_split, tensor_split_problem
 
 #: Degrees a tensor group may have by default: powers of two up to a node's eight devices.
@@ -27,9 +27,25 @@ def sharded_ops(ops: Iterable[Op]) -> list[Op]:
     return [op for op in ops if op.tensor_split]
 
 
+#: Roles whose ops sum over the tensor group in the forward: row-parallel matmuls, vocabulary-parallel embeddings
+#: (each member's rows, zeros for indices outside its range) and cross-entropies over split classes.
+FORWARD_SUM_ROLES = frozenset({"row", "vocab", "loss"})
+
+
 def forward_reduces(ops: Iterable[Op]) -> list[Op]:
-    """The row-parallel ops of `ops`: each sums its result (its bytes) over the group in the forward."""
-    return [op for op in ops if op.attrs.tp_role == "row"]
+    """The ops of `ops` that sum over the group in the forward (`FORWARD_SUM_ROLES`; their bytes: `summed_bytes`)."""
+    return [op for op in ops if op.attrs.tp_role in FORWARD_SUM_ROLES]
+
+
+def summed_bytes(value: Op, t: int) -> float:
+    """Bytes one sum over a tensor group of `t` moves for `value` (a `forward_reduces` op or a `backward_reduces`
+    input) at the module's batch: the value's own bytes, but for a cross-entropy over split classes each member's
+    log-sum-exp in its row of a [t + 1, N] fp32 table whose last row holds the target logits (N the targets)."""
+    if value.attrs.tp_role != "loss":
+        return value.out_bytes
+    target = value.operands[1].type
+    rows = target.numel if isinstance(target, TensorType) else 1
+    return 4.0 * rows * (t + 1)
 
 
 def backward_reduces(ops: Iterable[Op]) -> list[Op]:

@@ -186,7 +186,10 @@ class OpAttrs(AttrRecord):
     """Megatron-LM's tensor-parallel pattern the op belongs to (set by the `tensor-parallel` pass; used where its
     stage has `tp` > 1): `col`, a column-parallel matmul (weight split on its output features, input whole, result
     split on its last dimension); `row`, a row-parallel matmul (weight split on its input features, input split
-    on its last dimension, its partial result summed over the tensor group before its bias, if any, is added)."""
+    on its last dimension, its partial result summed over the tensor group before its bias, if any, is added);
+    `vocab`, a vocabulary-parallel embedding (weight split on its rows, each member's rows for the indices in its
+    range summed over the group); `loss`, a cross-entropy over logits split on their classes (each member's
+    log-sum-exp and target logits summed over the group; a whole result)."""
     tp_dim: int | None = None
     """The dimension of the op's result that a tensor group splits (each member computes its contiguous 1/T, of
     each of `tp_parts` equal parts); absent: every member computes the whole result (replicated)."""

@@ -37,7 +37,7 @@ from dapple_ir.analysis.precision import (
     sixteen_bit_values,
 )
 from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
-from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces
+from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces, summed_bytes
 from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.topology import Network
@@ -427,7 +427,7 @@ def _tensor_problem(module: Module, cluster: ClusterSpec, global_batch: int, t: 
                 ff, bf = ff + xf, bf + xb
             f, b = f + of, b + ob
         for values, into_fwd in ((forward_reduces(layer.ops), True), (backward_reduces(layer.ops), False)):
-            nbytes = sum(v.out_bytes for v in values) * scale
+            nbytes = sum(summed_bytes(v, t) for v in values) * scale
             if nbytes <= 0:
                 continue
             extra, fixed = ring.seconds(nbytes), ring.fixed_s * len(values)

@@ -104,6 +104,7 @@ from dapple_ir.analysis.peak_memory import (
     weight_ops,
 )
 from dapple_ir.analysis.stage_graph import crossings, tied_params
+from dapple_ir.analysis.tensor_shards import summed_bytes
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind, Link
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.cluster.topology import Network
@@ -603,7 +604,7 @@ class _Simulator:
         assert value is not None and instr.group is not None
         found = self.tensor[rank].get(value)
         if found is None:
-            nbytes = self.sizes.transferred(value)
+            nbytes = transfer_bytes(self.module, value, whole=summed_bytes(value, len(instr.group)))
             b = self.module.attrs.microbatch_size
             stage = next((s for s in self.hosted[rank] if s.split), None)
             if stage is not None and b:
