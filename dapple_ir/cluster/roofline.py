@@ -1,9 +1,10 @@
 """The roofline: seconds an op takes on a device kind, from the FLOPs it does and the bytes it moves.
 
 `time = max(flops / peak_flops, bytes / mem_bandwidth) / efficiency + op_overhead`, forward and
-backward. The backward moves about twice the forward's bytes: it reads the saved inputs and the
-output gradient, and writes the input gradient. `annotate-cost` prices ops with it and
-`dapple calibrate --fit` divides measured times by it.
+backward, and at least the host's time to issue the call where the host runs ahead of the device
+(`DeviceKind.host_forward`, `host_backward`: a GPU's). The backward moves about twice the forward's
+bytes: it reads the saved inputs and the output gradient, and writes the input gradient. `annotate-cost`
+prices ops with it and `dapple calibrate --fit` divides measured times by it.
 
 An op the roofline prices (`OpRoofline`) is priced again at each batch: one memory-bound at a
 small batch (its weights read whatever the batch) may be compute-bound at a larger one, and no
@@ -42,11 +43,12 @@ def roofline_times(
     size = flops[0] / (flops[0] + half_flops) if half_flops > 0 and flops[0] > 0 else 1.0
     fwd = max(flops[0] / (peak * size), moved_bytes / bandwidth) / efficiency
     bwd = max(flops[1] / (peak * size), BACKWARD_BYTES_FACTOR * moved_bytes / bandwidth) / efficiency
-    # Ops that only touch metadata (views) run no kernel and pay no per-call overhead.
+    # Ops that only touch metadata (views) run no kernel and pay no per-call overhead. A host that runs ahead of
+    # its device (a GPU's) issues the call while earlier kernels run: the call takes the longer of the two.
     if fwd > 0:
-        fwd += kind.op_overhead
+        fwd = max(fwd + kind.op_overhead, kind.host_forward)
     if bwd > 0:
-        bwd += kind.op_overhead
+        bwd = max(bwd + kind.op_overhead, kind.host_backward)
     return fwd, bwd
 
 

@@ -36,12 +36,19 @@ class DeviceKind:
     mem_bandwidth: float
     """Memory bandwidth in bytes/s."""
     op_overhead: float = 0.0
-    """Fixed seconds each op call costs on top of its roofline, whatever its batch: dispatch and
-    kernel launch, and on a GPU the floor of a kernel too small to fill the device (below about the
-    work a GEMM needs to reach half of peak, time stops falling with size). It makes an op's time
-    affine in its batch (`dapple_ir.cluster.roofline.rescaled_s`), so tiny microbatches pay for it
-    once per op and microbatch. `dapple calibrate` measures it (`--fit` with profiles at two or
-    more microbatch sizes fits it from them)."""
+    """Fixed seconds each op call costs on top of its roofline, whatever its batch. On a CPU: its dispatch and
+    launch, which the rank's one thread does between kernels. On a GPU: the device's own cost per kernel (the
+    gap between back-to-back kernels of a stream, a kernel's ramp and tail), the host's dispatch being
+    `host_forward`/`host_backward`. It makes an op's time affine in its batch
+    (`dapple_ir.cluster.roofline.rescaled_s`), so tiny microbatches pay for it once per op and microbatch.
+    `dapple calibrate` measures it (`--fit` with profiles at two or more microbatch sizes fits it from them)."""
+    host_forward: float = 0.0
+    """Host seconds eager PyTorch spends issuing one op call's forward (Python, the dispatcher, autograd's
+    recording, the launch) while the device runs the kernels issued before it: the host runs ahead of a GPU, so
+    a call takes the longer of its kernel (`op_overhead` included) and this (`roofline.roofline_times`). 0 where
+    dispatch is not overlapped (a CPU rank: `op_overhead` holds it)."""
+    host_backward: float = 0.0
+    """`host_forward` for the op's backward, issued by autograd's engine in C++ (no Python, no recording)."""
     busy_receive_slowdown: float = 1.0
     """How many times as long the bytes of a transfer into this device take while it computes as while it
     waits for them. 1 where the transport has hardware of its own (a GPU's copy engines and NCCL's kernels).
@@ -119,29 +126,36 @@ class Link:
         return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
-#: Seconds per op call on each GPU generation (`DeviceKind.op_overhead`): about 5 us of eager
-#: dispatch and kernel launch, plus the occupancy floor, the time of the work at which a kernel
-#: reaches half of the device's peak (cuBLAS f32 GEMMs of about 512^3, 0.27 GFLOP: 17 us on a V100;
-#: more SMs move that size up and faster SMs move its time down). Estimates, not measurements:
-#: `dapple calibrate` on the machine replaces them.
-_V100_OVERHEAD, _A100_OVERHEAD, _H100_OVERHEAD = 30e-6, 25e-6, 20e-6
+#: What an op call costs besides its roofline on a GPU, by generation (estimates from public figures, not fitted to
+#: any benchmark row; `dapple calibrate` on the machine replaces them; docs/cluster.md cites them):
+#: - on the device, per kernel: the gap between back-to-back kernels of a stream plus a kernel's ramp and tail,
+#:   about 3 us on A100/H100 (`cudaLaunchKernel` is 1-3 us with CUDA 12 drivers). A GEMM too small to fill the
+#:   device is priced by the GEMM size law (`pricing.matmul_efficiency`), not here;
+#: - on the host, per op call: 5-25 us of eager PyTorch (Python, pybind11, autograd's recording, the dispatcher,
+#:   the launch); the middle, 15 us, for a forward, and 10 us for a backward, which autograd's engine issues from C++.
+#:   The host runs ahead of the device, so a call costs the longer of the two (`DeviceKind.host_forward`).
+#: V100 presets keep DAPPLE's era figure, 30 us added to every call (their published profiles are rescaled with it).
+_V100_OVERHEAD = 30e-6
+_GPU_KERNEL_S, _HOST_FORWARD_S, _HOST_BACKWARD_S = 3e-6, 15e-6, 10e-6
+_AMPERE_FLOPS = {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}
+_HOPPER_FLOPS = {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}
+
+
+def _gpu(name: str, memory: float, flops: dict[str, float], bandwidth: float) -> DeviceKind:
+    """A GPU preset whose host dispatches ahead of it (the figures above)."""
+    return DeviceKind(
+        name, memory, flops, bandwidth, _GPU_KERNEL_S, host_forward=_HOST_FORWARD_S, host_backward=_HOST_BACKWARD_S
+    )
+
 
 #: Device presets. V100 figures follow DAPPLE's planner (16 GB, 25 GB/s NVLink inside a server).
 PRESETS: dict[str, DeviceKind] = {
     "V100-16GB": DeviceKind("V100-16GB", 16 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9, _V100_OVERHEAD),
     "V100-32GB": DeviceKind("V100-32GB", 32 * GB, {"f32": 15.7e12, "f16": 125e12}, 900e9, _V100_OVERHEAD),
-    "A100-40GB": DeviceKind(
-        "A100-40GB", 40 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 1555e9, _A100_OVERHEAD
-    ),
-    "A100-80GB": DeviceKind(
-        "A100-80GB", 80 * GB, {"f32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "f16": 312e12}, 2039e9, _A100_OVERHEAD
-    ),
-    "H100": DeviceKind(
-        "H100", 80 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 3350e9, _H100_OVERHEAD
-    ),
-    "H200": DeviceKind(
-        "H200", 141 * GB, {"f32": 67e12, "tf32": 495e12, "bf16": 989e12, "f16": 989e12}, 4800e9, _H100_OVERHEAD
-    ),
+    "A100-40GB": _gpu("A100-40GB", 40 * GB, _AMPERE_FLOPS, 1555e9),
+    "A100-80GB": _gpu("A100-80GB", 80 * GB, _AMPERE_FLOPS, 2039e9),
+    "H100": _gpu("H100", 80 * GB, _HOPPER_FLOPS, 3350e9),
+    "H200": _gpu("H200", 141 * GB, _HOPPER_FLOPS, 4800e9),
     # One CPU rank with one core: `dapple calibrate --devices 2` measured 50 GFLOP/s f32 matmul,
     # 10.5-11.4 GB/s copy bandwidth and ~10 us per op call (forward and backward each: PyTorch's
     # dispatch and autograd) on the 2-core dev VM when idle, and for a split backward 120-212 us per

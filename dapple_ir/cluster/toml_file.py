@@ -15,7 +15,9 @@ All quantities are in base units (bytes, FLOP/s, bytes/s, seconds); TOML reads `
     memory_bytes = 16e9
     peak_flops = { f32 = 15.7e12, f16 = 125e12 }
     mem_bandwidth = 900e9
-    op_overhead = 5e-6              # seconds per op call (launch), added to each roofline time
+    op_overhead = 3e-6              # device seconds per kernel call (launch gap, ramp), added to its roofline time
+    host_forward = 15e-6            # host seconds eager PyTorch issues an op in: a call takes at least this
+    host_backward = 10e-6           # the same for its backward (the autograd engine; no Python)
     busy_receive_slowdown = 1.0     # a transfer into the device moves this much slower while it computes
                                     # (1: own hardware for it; above 1 on a CPU host whose cores all compute)
     split_backward_overhead = 0.0   # seconds a split (zb-h1) backward adds per op with parameters
@@ -82,6 +84,8 @@ _TOP_KEYS = {
 #: A device kind's figures that may be 0 and default to 0 (or the base preset's): what the host's own work and a
 #: split backward cost.
 _PRICE_KEYS = (
+    "host_forward",
+    "host_backward",
     "split_backward_overhead",
     "split_backward_per_byte",
     "instruction_overhead",
@@ -173,6 +177,8 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "bandwidth": (1e3, 1e16, "B/s"),
     "latency": (0.0, 1.0, "s"),
     "op_overhead": (0.0, 1.0, "s"),
+    "host_forward": (0.0, 1.0, "s"),
+    "host_backward": (0.0, 1.0, "s"),
     "instruction_overhead": (0.0, 1.0, "s"),
     "message_overhead": (0.0, 1.0, "s"),
     "wake_overhead": (0.0, 1.0, "s"),
