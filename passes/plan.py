@@ -29,7 +29,7 @@ from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_f
 from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
-from dapple_ir.sim.simulator import simulate
+from dapple_ir.sim.simulator import predict
 
 
 @register_pass
@@ -142,9 +142,7 @@ def lowered_trial(module: Module, problem: Problem, cand: Candidate) -> Module:
 def simulated(trial: Module, problem: Problem, prices: OpPrices) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for a lowered `trial` of `problem`, its ops priced by
     `prices`."""
-    with collector_paused():
-        result = simulate(trial, cluster=problem.base_cluster or problem.cluster, prices=prices)
-    return result.iteration_s, max(result.peak_bytes, default=0.0)
+    return predict(trial, cluster=problem.base_cluster or problem.cluster, prices=prices)
 
 
 @dataclass

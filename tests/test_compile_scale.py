@@ -23,12 +23,15 @@ import pytest
 from dapple_ir import api
 from dapple_ir.analysis import lowering, peak_memory, plan_checks
 from dapple_ir.analysis.peak_memory import Sizes, posted_changes, program_peak, recv_posts
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COMPUTE_KINDS, Instr, InstrKind, Module, RankProgram, scale, verifier
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.passes import insert_frees, plan
+from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.sim import simulator
 from tests.paths import ROOT
 
 GPT = str(ROOT / "examples" / "gpt.py") + ":factory"
@@ -297,3 +300,14 @@ def test_a_handed_lowering_is_refused_where_the_programs_are_not_its_own() -> No
     module.programs[0].instrs = [dataclasses.replace(i) for i in module.programs[0].instrs]  # alike, but not the same
     assert trial.freed(module) is None
     assert trial.freed(copy.deepcopy(module)) is None
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_planners_prediction_is_the_simulations_iteration_and_peak(name: str) -> None:
+    """`simulator.predict` (what `plan` ranks by: the run without the timeline's curves and the critical path, each
+    program shape's peak walked once) gives `simulate`'s iteration and worst peak, to the bit."""
+    module = _compiled(name)
+    cluster = resolve_cluster(PLANS[name]["cluster"])  # type: ignore[arg-type]
+    prices = OpPrices(module, cluster)
+    result = simulator.simulate(module, cluster=cluster, prices=prices)
+    assert simulator.predict(module, cluster=cluster, prices=prices) == (result.iteration_s, max(result.peak_bytes))

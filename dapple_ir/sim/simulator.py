@@ -330,6 +330,17 @@ def simulate_each(
         yield result
 
 
+def predict(module: Module, *, cluster: ClusterSpec, prices: OpPrices) -> tuple[float, float]:
+    """(`iteration_s`, the most of `peak_bytes`) of `simulate(module, cluster=cluster, prices=prices)`, what the planner
+    ranks a candidate by, without the rest of the result (the timeline's curves, the critical path, the links)."""
+    if not module.programs:
+        result = simulate(module, cluster=cluster, prices=prices)  # says what is missing
+        return result.iteration_s, max(result.peak_bytes, default=0.0)
+    fractions = _fractions(module, BACKWARD_INPUT_FRACTION)
+    with collector_paused():
+        return _Simulator(module, cluster, fractions, prices).iteration_and_peak()
+
+
 def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage, float]:
     """Each stage's `backward_input` share of its backward (see `simulate`)."""
     named = dict(given) if isinstance(given, Mapping) else {}
@@ -683,6 +694,11 @@ class _Simulator:
     def run(self, replay: Mapping[tuple[int, int], float], begin: list[float] | None = None) -> SimulationResult:
         """One iteration, the instructions in `replay` taking its seconds; each rank from its time in `begin`
         (default 0). Each run starts with idle links."""
+        state = self.engine(replay, begin)
+        return self.result(state)
+
+    def engine(self, replay: Mapping[tuple[int, int], float], begin: list[float] | None = None) -> _RunState:
+        """`run`'s events, run out (every rank to its last instruction)."""
         n = len(self.module.programs)
         state = _RunState(
             sharing=LinkSharing([link.bandwidth for link in self.network.links]),
@@ -711,7 +727,24 @@ class _Simulator:
             else:
                 self.core_end(state, now, subject, version)
         self.check_finished(state.pc)
-        return self.result(state)
+        return state
+
+    def iteration_and_peak(self) -> tuple[float, float]:
+        """(`iteration_s`, the most of `peak_bytes`) of `run` without replay, the rest of its result left out."""
+        state = self.engine({})
+        iteration = max((max(e, default=0.0) for e in state.ends), default=0.0)
+        # Ranks of one program shape share their changes (`peak_memory.posted_changes`): each peak walked once.
+        peaks: dict[tuple[int, float], float] = {}
+        for r in range(len(self.module.programs)):
+            static = self.sizes.static_of(self.hosted[r])
+            key = (id(self.changes[r]), static)
+            if key not in peaks:
+                level = peak = static
+                for _i, change in self.changes[r]:
+                    level += change
+                    peak = max(peak, level)
+                peaks[key] = peak
+        return iteration, max(peaks.values(), default=0.0)
 
     def advance(self, state: _RunState, r: int) -> None:
         """Run rank `r` from where it stopped until it must wait: for a receive's data, for its allreduce's ring, for
