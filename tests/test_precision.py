@@ -92,6 +92,24 @@ def test_bf16_prices_matmuls_at_the_16_bit_peak_and_narrows_their_bytes() -> Non
         assert ops16[name].attrs.act_bytes == ops32[name].attrs.act_bytes
 
 
+def test_a_gpu_op_call_costs_the_longer_of_its_kernel_and_the_hosts_dispatch() -> None:
+    """On a GPU the host issues a call while earlier kernels run: a chain of tiny kernels runs at the host's pace, a
+    big GEMM hides its dispatch; on a CPU rank the dispatch is synchronous and added (no host term)."""
+    h100, cpu = PRESETS["H100"], PRESETS["cpu"]
+    assert h100.host_forward > h100.op_overhead > 0 and h100.host_backward > 0 and cpu.host_forward == 0
+    tiny = roofline_times((1e3, 2e3), 4e3, h100, "bf16")  # 4 kB moved: a nanosecond of work
+    assert tiny == (h100.host_forward, h100.host_backward)
+    big = (2e12, 4e12)  # a 2 TFLOP GEMM: two milliseconds of work
+    work = roofline_times(big, 0.0, h100, "bf16")
+    assert work == (big[0] / h100.flops("bf16") + h100.op_overhead, big[1] / h100.flops("bf16") + h100.op_overhead)
+    assert roofline_times((1e3, 2e3), 4e3, cpu) == (
+        max(1e3 / cpu.flops(), 4e3 / cpu.mem_bandwidth) + cpu.op_overhead,
+        max(2e3 / cpu.flops(), 8e3 / cpu.mem_bandwidth) + cpu.op_overhead,
+    )
+    # The views a capture records run no kernel and cost nothing, on either.
+    assert roofline_times((0.0, 0.0), 0.0, h100) == roofline_times((0.0, 0.0), 0.0, cpu) == (0.0, 0.0)
+
+
 def test_a_16_bit_module_is_not_repriced_at_another_precision() -> None:
     module = _annotated("bf16")
     again = print_module(module)  # type: ignore[arg-type]
