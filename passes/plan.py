@@ -173,7 +173,8 @@ class _FastestTrial:
         if not alike:
             return None
         module.stages = trial.stages
-        return TrialLowering(module, trial.stages, trial.attrs.microbatch_size, trial.programs)
+        graph = (list(module.ops), list(module.params))
+        return TrialLowering(module, trial.stages, trial.attrs.microbatch_size, trial.programs, graph)
 
 
 def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:

@@ -286,11 +286,15 @@ def test_the_lowering_plan_hands_on_gives_the_plan_lowered_again(name: str, monk
 def test_a_handed_lowering_is_refused_where_the_programs_are_not_its_own() -> None:
     module = copy.deepcopy(_compiled("round-robin, recompute"))
     final = [RankProgram(p.name, list(p.instrs), dataclasses.replace(p.attrs)) for p in module.programs]
-    trial = scale.TrialLowering(module, module.stages, module.attrs.microbatch_size, final)
+    graph = (list(module.ops), list(module.params))
+    trial = scale.TrialLowering(module, module.stages, module.attrs.microbatch_size, final, graph)
     free = InstrKind.FREE
     for p in module.programs:
         p.instrs = [i for i in p.instrs if i.kind in COMPUTE_KINDS]
     assert trial.lowered(module) is not None
+    module.ops = [copy.copy(op) if k == 0 else op for k, op in enumerate(module.ops)]  # another graph
+    assert trial.lowered(module) is None
+    module.ops = graph[0]
     instrs = module.programs[1].instrs
     instrs[0] = dataclasses.replace(instrs[0], mb=(instrs[0].mb or 0) + 1)
     assert trial.lowered(module) is None
@@ -311,3 +315,36 @@ def test_the_planners_prediction_is_the_simulations_iteration_and_peak(name: str
     prices = OpPrices(module, cluster)
     result = simulator.simulate(module, cluster=cluster, prices=prices)
     assert simulator.predict(module, cluster=cluster, prices=prices) == (result.iteration_s, max(result.peak_bytes))
+
+
+def _step_problem_walked_whole(module: Module) -> str | None:
+    """`plan_checks.check_optimizer_steps`'s first problem, from lists of every step and every computation."""
+    for program in module.programs:
+        steps = [k for k, i in enumerate(program.instrs) if i.kind is InstrKind.OPTIMIZER_STEP]
+        computes = [k for k, i in enumerate(program.instrs) if i.kind in COMPUTE_KINDS]
+        if not computes:
+            continue
+        if len(steps) != 1:
+            return f"verify: rank {program.rank} ({program.name}) has {len(steps)} optimizer steps"
+        if steps[0] < computes[-1]:
+            return f"verify: {plan_checks._where(module, program, steps[0])} comes before the rank's last computation"
+    return None
+
+
+@pytest.mark.parametrize("move", ["twice", "early", "none"])
+def test_optimizer_steps_found_from_the_end_fail_as_walked_whole(move: str) -> None:
+    module = copy.deepcopy(_compiled("tensor groups, round-robin, recompute"))
+    instrs = module.programs[-1].instrs
+    step = next(k for k, i in enumerate(instrs) if i.kind is InstrKind.OPTIMIZER_STEP)
+    if move == "twice":
+        instrs.append(instrs[step])
+    elif move == "early":
+        instrs.insert(1, instrs.pop(step))
+    else:
+        instrs.pop(step)
+    expected = _step_problem_walked_whole(module)
+    assert expected is not None
+    with pytest.raises(VerifyError) as info:
+        plan_checks.check_optimizer_steps(module)
+    assert str(info.value).startswith(expected)
+    plan_checks.check_optimizer_steps(_compiled("tensor groups, round-robin, recompute"))

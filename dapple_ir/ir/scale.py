@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 
-from dapple_ir.ir.core import COMPUTE_KINDS, Instr, InstrKind, Module, RankProgram, Stage
+from dapple_ir.ir.core import COMPUTE_KINDS, Instr, InstrKind, Module, Op, Param, RankProgram, Stage
 
 
 @contextmanager
@@ -44,6 +44,9 @@ class TrialLowering:
     """The trial's microbatch size: the one module attribute the communication reads besides the stages and graph."""
     programs: list[RankProgram]
     """The trial's programs as `insert-frees` left them."""
+    graph: tuple[list[Op], list[Param]] = ([], [])
+    """The ops and parameters the trial read (the module's, shared): a pass that puts others in their place after
+    `plan` gets no trial's answer."""
 
     def lowered(self, module: Module) -> list[list[Instr]] | None:
         """Each rank's instructions as `lower-comm` writes them for `module`, where its programs' instructions are
@@ -72,6 +75,7 @@ class TrialLowering:
     def _same_plan(self, module: Module) -> bool:
         return (
             module is self.module
+            and (module.ops, module.params) == self.graph
             and module.attrs.microbatch_size == self.microbatch_size
             and len(module.stages) == len(self.stages)
             and all(a is b for a, b in zip(module.stages, self.stages, strict=True))
