@@ -396,18 +396,22 @@ def test_the_cross_entropy_over_split_classes_is_torchs(reduction: str, dtype: t
     assert not grad[[2, 7, 19]].any()
 
 
-def test_the_vocabulary_parallel_lookup_is_torchs_embedding_and_its_gradient_lands_on_one_member() -> None:
+@pytest.mark.parametrize("padding_idx", [None, 5, 12])
+def test_the_vocabulary_parallel_lookup_is_torchs_embedding_and_its_gradient_lands_on_one_member(
+    padding_idx: int | None,
+) -> None:
     torch.manual_seed(0)
     tp, vocab, width = 2, 16, 5
     weight = torch.randn(vocab, width)
     indices = torch.randint(0, vocab, (3, 7))
+    indices[0, :3] = torch.tensor([5, 12, 5])  # the padding rows, on each member, take no gradient
     whole = weight.clone().requires_grad_(True)
-    expected = torch.nn.functional.embedding(indices, whole)
+    expected = torch.nn.functional.embedding(indices, whole, padding_idx=padding_idx)
     (expected * expected).sum().backward()
 
     def member(group: TensorGroup) -> tuple[torch.Tensor, torch.Tensor]:
         mine = shard_of(weight, 0, 1, group.member, tp, "weight").requires_grad_(True)
-        rows = VocabLookup(group, "tok")(indices, mine)
+        rows = VocabLookup(group, "tok", padding_idx)(indices, mine)
         (rows * rows).sum().backward()
         assert mine.grad is not None
         return rows.detach(), mine.grad

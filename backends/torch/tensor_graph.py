@@ -126,24 +126,29 @@ def _vocab_embedding(graph_module: torch.fx.GraphModule, node: torch.fx.Node, gr
     graph = graph_module.graph
     indices: Any
     weight: Any
+    pad: Any = None
     if node.op == "call_module":
         sub = graph_module.get_submodule(str(node.target))
-        if not isinstance(sub, torch.nn.Embedding) or sub.padding_idx is not None or sub.max_norm is not None:
+        if not isinstance(sub, torch.nn.Embedding) or sub.max_norm is not None or sub.scale_grad_by_freq:
             raise DappleError(
                 f"vocabulary-parallel %{node.name} calls {type(sub).__name__}: the runtime splits an nn.Embedding "
-                "without padding_idx or max_norm"
+                "without max_norm or scale_grad_by_freq"
             )
-        indices, weight = node.args[0], f"{node.target}.weight"
+        indices, weight, pad = node.args[0], f"{node.target}.weight", sub.padding_idx
     elif _callee(node) == "embedding" and str(node.target).startswith("aten."):
         weight, indices, *rest = node.args  # ATen's order: weight, indices, padding_idx, scale_grad_by_freq, sparse
-        _defaults(node, rest, [-1, False, False])
+        pad = rest[0] if rest and rest[0] != -1 else None
+        _defaults(node, rest[1:], [False, False])
     elif _callee(node) == "embedding":
         indices, weight, *rest = node.args
-        _defaults(node, rest, [None, None, 2.0, False, False])
+        pad = rest[0] if rest else node.kwargs.get("padding_idx")
+        if isinstance(pad, int) and pad < 0:
+            raise DappleError(f"vocabulary-parallel %{node.name} counts its padding_idx from the end: give it >= 0")
+        _defaults(node, rest[1:], [None, 2.0, False, False])
     else:
         raise DappleError(f"vocabulary-parallel %{node.name} calls {node.target}: the runtime splits embeddings only")
     name = f"tp_vocab_{node.name}"
-    graph_module.add_submodule(name, VocabLookup(group, node.name))
+    graph_module.add_submodule(name, VocabLookup(group, node.name, pad))
     with graph.inserting_before(node):
         w = graph.get_attr(weight) if isinstance(weight, str) else weight
     node.op, node.target, node.args, node.kwargs = "call_module", name, (indices, w), {}
@@ -151,8 +156,9 @@ def _vocab_embedding(graph_module: torch.fx.GraphModule, node: torch.fx.Node, gr
 
 def _defaults(node: torch.fx.Node, given: list[Any], defaults: list[Any]) -> None:
     """Refuse an embedding whose optional arguments (positional or by keyword) are not their defaults."""
+    options = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
     if any(g != d for g, d in zip(given, defaults, strict=False)) or any(
-        v not in (None, False) for v in node.kwargs.values()
+        v not in (None, False, 2.0) for v in options.values()
     ):
         raise DappleError(
             f"vocabulary-parallel %{node.name} passes options to its embedding: the runtime splits a plain lookup"

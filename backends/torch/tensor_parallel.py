@@ -124,16 +124,20 @@ class GroupGradSum(torch.nn.Module):
 class VocabLookup(torch.nn.Module):
     """Megatron's `VocabParallelEmbedding` as a submodule of a stage's graph: this member's rows of the weight (the
     `member`-th contiguous 1/T of the vocabulary) looked up for the indices in its range, zeros for the others, and
-    the rows summed over the group (g): every index finds its row on exactly one member, so the sum is exact."""
+    the rows summed over the group (g): every index finds its row on exactly one member, so the sum is exact. A
+    `padding_idx` (whose row takes no gradient) is the member's own where it falls in its range."""
 
-    def __init__(self, group: TensorGroup, value: str) -> None:
+    def __init__(self, group: TensorGroup, value: str, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.group, self.value = group, value
+        self.group, self.value, self.padding_idx = group, value, padding_idx
 
     def forward(self, indices: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        local = indices - self.group.member * weight.shape[0]
+        first = self.group.member * weight.shape[0]
+        local = indices - first
         outside = (local < 0) | (local >= weight.shape[0])
-        rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        pad = None if self.padding_idx is None else self.padding_idx - first
+        pad = pad if pad is not None and 0 <= pad < weight.shape[0] else None
+        rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
         return _SumForward.apply(rows.masked_fill(outside.unsqueeze(-1), 0), self.group, self.value)  # type: ignore[no-any-return]
 
 
