@@ -98,13 +98,14 @@ def find_patterns(module: Module) -> tuple[Patterns, dict[Op, Linear]]:
         if (emb := as_embedding(op, params)) and emb.vocabulary(params) % VOCAB_MULTIPLE == 0 and _looks_up_input(emb)
     }
     # A linear that shares its weight splits only as a tied LM head: the weight's other readers all embeddings.
+    lookups = set(embeddings) | {r for emb in embeddings.values() for r in emb.reads}
     linears = {
-        op: lin for op in module.ops if (lin := as_linear(op, params)) and _owns(op, lin, embeddings, readers, users)
+        op: lin for op in module.ops if (lin := as_linear(op, params)) and _owns(op, lin, lookups, readers, users)
     }
     seeds = {op: _fused_parts(op, users) for op, lin in linears.items() if _is_float(lin.input)}
     reasons: list[str] = []
     while True:
-        found = _grow(module, linears, seeds)
+        found = _grow(module, linears, seeds, users)
         reasons += found.reasons
         if not found.failed_seeds:
             found.reasons = reasons
@@ -135,22 +136,18 @@ def _readers(module: Module) -> dict[str, list[Op]]:
     """The ops that read each parameter: those listing it (`OpAttrs.params`) and the `get_attr` ops of it."""
     found: dict[str, list[Op]] = {p.name: [] for p in module.params}
     for op in module.ops:
-        names = dict.fromkeys([*(op.attrs.params or ()), *([op.target] if op.kind is OpKind.GET_ATTR else [])])
-        for name in names:
+        for name in op.read_params:
             if name in found:
                 found[name].append(op)
     return found
 
 
-def _owns(
-    op: Op, lin: Linear, embeddings: dict[Op, Embedding], readers: dict[str, list[Op]], users: dict[Op, list[Op]]
-) -> bool:
+def _owns(op: Op, lin: Linear, lookups: set[Op], readers: dict[str, list[Op]], users: dict[Op, list[Op]]) -> bool:
     """May the linear's weight and bias split: no op reads them but the linear (through its own get_attr ops, each
-    read once) and embeddings of the weight (a tied LM head)?"""
+    read once) and `lookups`, the splittable embeddings of the weight and their reads (a tied LM head)?"""
     if not all(len(users[r]) == 1 for r in lin.reads):
         return False
     owned = [lin.weight] + ([lin.bias] if lin.bias else [])
-    lookups = set(embeddings) | {r for emb in embeddings.values() for r in emb.reads}
     return all(
         r is op or r in lin.reads or (name == lin.weight and r in lookups) for name in owned for r in readers[name]
     )
@@ -167,10 +164,9 @@ def _fused_parts(op: Op, users: dict[Op, list[Op]]) -> int:
     return parts.pop() if len(parts) == 1 and all(is_split_op(u) for u in readers) else 1
 
 
-def _grow(module: Module, linears: dict[Op, Linear], seeds: dict[Op, int]) -> Patterns:
+def _grow(module: Module, linears: dict[Op, Linear], seeds: dict[Op, int], users: dict[Op, list[Op]]) -> Patterns:
     """One forward sweep: splits from the seeds, patterns as union-find components, failures per component."""
     found = Patterns()
-    users = module.users()
     parent: dict[Op, Op] = {}
 
     def root(op: Op) -> Op:

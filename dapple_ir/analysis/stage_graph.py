@@ -81,12 +81,9 @@ def tied_params(module: Module) -> dict[str, list[Stage]]:
     users = module.users()
     holders: dict[str, set[Stage]] = {}
     for op in module.ops:
-        names = set(op.attrs.params or ())
-        if op.kind is OpKind.GET_ATTR and op.target:
-            names.add(op.target)
         # A get_attr is materialised where it is read, so its readers hold the parameter too.
         stages = {stage_of[op]} | ({stage_of[u] for u in users[op]} if op.kind is OpKind.GET_ATTR else set())
-        for name in names:
+        for name in op.read_params:
             holders.setdefault(name, set()).update(stages)
     buffers = {p.name for p in module.params if p.attrs.buffer}
     order = {s: i for i, s in enumerate(module.stages)}

@@ -75,10 +75,7 @@ def split_params(module: Module, ops: Iterable[Op]) -> list[Param]:
     table = {p.name: p for p in module.params}
     names: dict[str, None] = {}
     for op in ops:
-        for name in op.attrs.params or ():
-            names.setdefault(name, None)
-        if op.kind is OpKind.GET_ATTR and op.target is not None:
-            names.setdefault(op.target, None)
+        names.update(dict.fromkeys(op.read_params))
     return [table[n] for n in names if n in table and table[n].attrs.tp_dim is not None]
 
 

@@ -328,6 +328,15 @@ class Op:
         return self.attrs.tp_role is not None or self.attrs.tp_dim is not None
 
     @property
+    def read_params(self) -> tuple[str, ...]:
+        """Names of the parameters the op reads, once each: those it lists (`OpAttrs.params`) and a `get_attr`'s
+        target."""
+        names = tuple(self.attrs.params or ())
+        if self.kind is OpKind.GET_ATTR and self.target is not None and self.target not in names:
+            names += (self.target,)
+        return names
+
+    @property
     def out_bytes(self) -> float:
         """Bytes of the result at the module's batch (the attribute wins where set)."""
         if self.attrs.out_bytes is not None:
