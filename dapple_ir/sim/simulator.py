@@ -91,6 +91,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import compress, count, repeat
+from operator import attrgetter, is_
 from pathlib import Path
 from typing import NamedTuple
 
@@ -117,6 +119,7 @@ from dapple_ir.pricing.host import host_work_s, optimizer_step_s
 from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.pricing.tensor import tensor_reduce_s
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
+from dapple_ir.sim.parts import CopyCheck, independent_parts, join
 from dapple_ir.units import format_bytes, format_seconds
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
@@ -424,6 +427,7 @@ _SEND, _RECV, _ALLREDUCE, _OPTIMIZER_STEP, _FREE, _LOAD = (
     InstrKind.LOAD_MICROBATCH,
 )
 _TENSOR = InstrKind.TENSOR_ALLREDUCE
+_KIND_OF = attrgetter("kind")
 #: Group collectives besides `allreduce`: each blocks its members until its ring ends (ZeRO-1's two halves).
 _REDUCE_SCATTER, _ALL_GATHER = InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER
 
@@ -455,15 +459,17 @@ def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[list[list[tuple] | 
     early, changes = posted_changes(module, program, sizes)
     # By index, not a dict: the engine looks at every instruction, and a list index is the cheapest look.
     here: list[list[tuple] | None] = [None] * len(program.instrs)  # type: ignore[type-arg]
-    for index, instr in enumerate(program.instrs):
-        if instr.kind is _RECV:
-            post = early.get(index, index)
-            recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
-            at = here[post]
-            if at is None:
-                here[post] = [recv_key]
-            else:
-                at.append(recv_key)
+    instrs = program.instrs
+    # The receives found without a Python call per instruction: a thousand ranks' programs are millions of them.
+    for index in compress(count(), map(is_, map(_KIND_OF, instrs), repeat(_RECV))):
+        instr = instrs[index]
+        post = early.get(index, index)
+        recv_key = (instr.value, instr.grad, instr.mb, instr.peer, rank)
+        at = here[post]
+        if at is None:
+            here[post] = [recv_key]
+        else:
+            at.append(recv_key)
     return here, changes
 
 
@@ -535,7 +541,7 @@ class _Simulator:
                     f"rank {r} runs on device {d}, but cluster {cluster.name} has devices 0..{cluster.num_devices - 1}"
                 )
         self.hosted = [hosted_stages(module, p) for p in module.programs]
-        kinds = [cluster.device(d) for d in self.devices]
+        kinds = self.kinds = [cluster.device(d) for d in self.devices]
         # Per rank, what going on after a wait that blocked costs it (`wake_overhead`); None where nothing does.
         wakes = [kind.wake_overhead for kind in kinds]
         self.wake = wakes if any(wakes) else None
@@ -545,6 +551,9 @@ class _Simulator:
         self.core_paths, self.core_capacity = _core_paths(cluster, self.devices)
         self.sizes = Sizes(module)
         self.network = Network(cluster)
+        self.bandwidth = [link.bandwidth for link in self.network.links]
+        # The links with no flows on them: whether a path takes time at all.
+        self.idle = LinkSharing(self.bandwidth)
         self.reduce_bytes: dict[Stage, float] = {}
         self.routes: dict[tuple[Op, int, int, tuple[int, int] | None], tuple[float, tuple[int, ...], float]] = {}
         self.tied: set[str] | None = None
@@ -568,6 +577,7 @@ class _Simulator:
             )
             for r, program in enumerate(module.programs)
         ]
+        self.parts = self.find_parts()
 
     def compute_s(
         self, fractions: dict[Stage, float], prices: OpPrices
@@ -698,21 +708,37 @@ class _Simulator:
         return self.result(state)
 
     def engine(self, replay: Mapping[tuple[int, int], float], begin: list[float] | None = None) -> _RunState:
-        """`run`'s events, run out (every rank to its last instruction)."""
-        n = len(self.module.programs)
+        """`run`'s events, run out (every rank to its last instruction): each independent part on its own
+        (`dapple_ir.sim.parts`), their timelines put together."""
+        states = [self.run_part(part, replay, begin) for part in self.parts]
+        state = states[0] if len(states) == 1 else self.merged(states)
+        self.check_finished(state.pc)
+        return state
+
+    def run_part(
+        self, part: list[int], replay: Mapping[tuple[int, int], float], begin: list[float] | None
+    ) -> _RunState:
+        """The events of the ranks of one part (ascending), run out; the other ranks' entries stay empty."""
+        programs = self.module.programs
+        n = len(programs)
+        starts: list[list[float]] = [[] for _ in range(n)]
+        ends: list[list[float]] = [[] for _ in range(n)]
+        for r in part:
+            starts[r] = [0.0] * len(programs[r].instrs)
+            ends[r] = [0.0] * len(programs[r].instrs)
         state = _RunState(
-            sharing=LinkSharing([link.bandwidth for link in self.network.links]),
+            sharing=LinkSharing(self.bandwidth),
             cores=LinkSharing(self.core_capacity) if self.core_paths is not None else None,
             replayed=replay or None,
-            starts=[[0.0] * len(p.instrs) for p in self.module.programs],
-            ends=[[0.0] * len(p.instrs) for p in self.module.programs],
+            starts=starts,
+            ends=ends,
             clock=list(begin) if begin is not None else [0.0] * n,
             busy=[0.0] * n,
             pc=[0] * n,
             reduce_seen=[{} for _ in range(n)],
             parked_key=[None] * n,
         )
-        for r in range(n):
+        for r in part:
             self.push(state, state.clock[r], _RESUME, r)
         heap, heappop, advance, flow_end = state.heap, heapq.heappop, self.advance, self.flow_end
         while heap:
@@ -726,16 +752,36 @@ class _Simulator:
                 self.flow_start(state, now, subject)
             else:
                 self.core_end(state, now, subject, version)
-        self.check_finished(state.pc)
         return state
 
+    def merged(self, states: list[_RunState]) -> _RunState:
+        """One state of the parts' runs: each rank's timeline from its part's; parts cross no common link."""
+        merged = states[0]
+        carried = merged.sharing.carried
+        for state, part in zip(states[1:], self.parts[1:], strict=True):
+            for r in part:
+                merged.starts[r], merged.ends[r] = state.starts[r], state.ends[r]
+                merged.busy[r], merged.pc[r] = state.busy[r], state.pc[r]
+            merged.waited_on.update(state.waited_on)
+            merged.held_by.update(state.held_by)
+            for k, nbytes in enumerate(state.sharing.carried):
+                if nbytes:
+                    carried[k] += nbytes
+        return merged
+
     def iteration_and_peak(self) -> tuple[float, float]:
-        """(`iteration_s`, the most of `peak_bytes`) of `run` without replay, the rest of its result left out."""
-        state = self.engine({})
-        iteration = max((max(e, default=0.0) for e in state.ends), default=0.0)
+        """(`iteration_s`, the most of `peak_bytes`) of `run` without replay, the rest of its result left out. A part
+        that is a copy of another (`dapple_ir.sim.parts`) is not run again: its timeline is the other's."""
+        programs = self.module.programs
+        iteration = 0.0
+        for part in self.distinct_parts():
+            state = self.run_part(part, {}, None)
+            if any(state.pc[r] < len(programs[r].instrs) for r in part):
+                self.engine({})  # says which ranks of every part are stuck
+            iteration = max(iteration, max((max(state.ends[r], default=0.0) for r in part), default=0.0))
         # Ranks of one program shape share their changes (`peak_memory.posted_changes`): each peak walked once.
         peaks: dict[tuple[int, float], float] = {}
-        for r in range(len(self.module.programs)):
+        for r in range(len(programs)):
             static = self.sizes.static_of(self.hosted[r])
             key = (id(self.changes[r]), static)
             if key not in peaks:
@@ -745,6 +791,71 @@ class _Simulator:
                     peak = max(peak, level)
                 peaks[key] = peak
         return iteration, max(peaks.values(), default=0.0)
+
+    # ------------------------------------------------------------------------------ independent parts
+
+    def find_parts(self) -> list[list[int]]:
+        """The ranks in independent parts (`dapple_ir.sim.parts.independent_parts`); ranks on one node's shared cores
+        in one."""
+        parts = independent_parts(self.module.programs, self.route_links, lambda instr: self.ring_of(instr)[0])
+        if self.core_paths is None:
+            return parts
+        by_node: dict[int, list[int]] = {}
+        for r, path in enumerate(self.core_paths):
+            if path is not None:
+                by_node.setdefault(path[0], []).append(r)
+        return join(parts, list(by_node.values()))
+
+    def distinct_parts(self) -> list[list[int]]:
+        """The parts that are no copy of an earlier one (`dapple_ir.sim.parts.CopyCheck`)."""
+        programs = self.module.programs
+        check = CopyCheck(
+            programs,
+            self.same_rank,
+            self.route_links,
+            lambda src, dst: self.network.latency(self.devices[src], self.devices[dst]),
+            lambda instr, _rank: self.ring_of(instr),
+            lambda rank: self.of_rank[rank].posts,
+            self.bandwidth,
+        )
+        by_shape: dict[tuple[int, ...], list[list[int]]] = {}
+        distinct = []
+        for part in self.parts:
+            alike = by_shape.setdefault(tuple(len(programs[r].instrs) for r in part), [])
+            if not any(check.copies(rep, part) for rep in alike):
+                alike.append(part)
+                distinct.append(part)
+        return distinct
+
+    def route_links(self, src: int, dst: int) -> tuple[int, ...]:
+        """The links a send from rank `src` to rank `dst` takes time on: none where its path is free."""
+        path = self.network.path(self.devices[src], self.devices[dst])
+        return () if self.idle.is_free(path) else path
+
+    def ring_of(self, instr: Instr) -> tuple[list[tuple[int, ...]], tuple[float, ...]]:
+        """The links each step of a collective's ring takes time on (as `arrive` starts them), and its price."""
+        assert instr.group is not None
+        ring = ring_allreduce(self.network, [self.devices[m] for m in instr.group])
+        price = (ring.members, ring.link_per_byte_s, ring.host_per_byte_s, ring.fixed_s)
+        if self.reduced(instr)[1] <= 0:
+            return [], price
+        paths = [self.network.path(a, b) for a, b in ring.steps]
+        return [p for p in paths if not self.idle.is_free(p)], price
+
+    def same_rank(self, r: int, s: int) -> bool:
+        """Whether ranks `r` and `s` run on devices of one kind, with one replica, stages and costs, alone on their
+        cores (the rest of `dapple_ir.sim.parts.CopyCheck`'s conditions on a rank)."""
+        a, b = self.of_rank[r], self.of_rank[s]
+        attrs, theirs = self.module.programs[r].attrs, self.module.programs[s].attrs
+        return (
+            self.kinds[r] == self.kinds[s]
+            and attrs.replica == theirs.replica
+            and self.hosted[r] == self.hosted[s]
+            and a.core_path is None
+            and b.core_path is None
+            and (a.fwd, a.bwd, a.bwd_input, a.bwd_weight, a.step_s, a.host)
+            == (b.fwd, b.bwd, b.bwd_input, b.bwd_weight, b.step_s, b.host)
+        )
 
     def advance(self, state: _RunState, r: int) -> None:
         """Run rank `r` from where it stopped until it must wait: for a receive's data, for its allreduce's ring, for

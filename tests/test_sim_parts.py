@@ -1,0 +1,121 @@
+"""The simulator's independent parts (`dapple_ir.sim.parts`): a tensor-parallel plan's member planes found as parts,
+the copies among them simulated once by `predict`, and `predict` equal to the whole simulation to the bit; a part
+that differs from its look-alike in a link, a cost or an instruction is simulated on its own."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from functools import cache
+
+import pytest
+
+from dapple_ir import api
+from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.ir import InstrKind, Module
+from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.sim import simulator
+from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, predict, simulate
+from tests.paths import ROOT
+
+MEGATRON = str(ROOT / "examples" / "megatron_gpt.py") + ":factory_tiny"
+
+#: Megatron's configurations on the tiny model: (cluster, compile keywords). T = 2 and 4, with data parallelism and
+#: interleaving, pipeline transfers inside a node (ports) and across nodes (network cards).
+PLANS = {
+    "T2 D2 P2 interleaved": (
+        "2x4xA100-80GB",
+        dict(stages=4, virtual=2, schedule="interleaved", microbatches=8, tensor_parallel=2, data_parallel=2),
+    ),
+    "T4 D2 P2 1f1b": (
+        "4x4xA100-80GB",
+        dict(stages=2, schedule="1f1b", microbatches=8, tensor_parallel=4, data_parallel=2),
+    ),
+    "T2 D4 P1": ("2x4xA100-80GB", dict(stages=1, schedule="1f1b", microbatches=8, tensor_parallel=2, data_parallel=4)),
+}
+
+
+@cache
+def _compiled(name: str) -> Module:
+    cluster, options = PLANS[name]
+    forced = dict(recompute="all", replication="round-robin", precision="fp16", **options)
+    return api.compile(MEGATRON, cluster=cluster, global_batch=16, **forced).module  # type: ignore[arg-type]
+
+
+def _simulator(module: Module, cluster: ClusterSpec) -> simulator._Simulator:
+    fractions = simulator._fractions(module, BACKWARD_INPUT_FRACTION)
+    return simulator._Simulator(module, cluster, fractions, OpPrices(module, cluster))
+
+
+def _whole(sim: simulator._Simulator) -> float:
+    """The iteration of every part simulated (the reference `predict` must equal)."""
+    state = sim.engine({})
+    return max(max(e, default=0.0) for e in state.ends)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_members_of_each_tensor_group_are_parts_and_copies_run_once(name: str) -> None:
+    module = _compiled(name)
+    cluster = resolve_cluster(PLANS[name][0])
+    sim = _simulator(module, cluster)
+    tp = module.stages[0].tp
+    assert len(sim.parts) == tp  # one plane per tensor rank: each member has its own port and network card
+    assert all({module.programs[r].attrs.tensor_rank or 0 for r in part} == {k} for k, part in enumerate(sim.parts))
+    assert len(sim.distinct_parts()) == 1
+    result = simulate(module, cluster=cluster)
+    assert predict(module, cluster=cluster, prices=OpPrices(module, cluster)) == (
+        result.iteration_s,
+        max(result.peak_bytes),
+    )
+    assert sim.iteration_and_peak()[0] == _whole(sim) == result.iteration_s
+
+
+def test_members_behind_one_card_share_it_and_are_one_part() -> None:
+    """One network card per node: every member's inter-node transfers cross it, so no plane is on its own."""
+    module = _compiled("T4 D2 P2 1f1b")
+    cluster = dataclasses.replace(resolve_cluster("4x4xA100-80GB"), cards=1)
+    sim = _simulator(module, cluster)
+    assert len(sim.parts) == 1
+    result = simulate(module, cluster=cluster)
+    assert predict(module, cluster=cluster, prices=OpPrices(module, cluster))[0] == result.iteration_s
+
+
+def test_a_slower_link_under_one_part_makes_it_no_copy() -> None:
+    module = _compiled("T2 D2 P2 interleaved")
+    cluster = resolve_cluster("2x4xA100-80GB")
+    sim = _simulator(module, cluster)
+    lead, other = sim.parts
+    # A card link that only the second plane's transfers cross, at a ten-thousandth of its bandwidth.
+    card = next(k for k in sim.route_links(other[0], _send_peer(module, other)) if sim.network.links[k].card)
+    sim.bandwidth[card] /= 1e4
+    assert len(sim.distinct_parts()) == 2
+    ends = sim.engine({}).ends
+    assert max(max(ends[r]) for r in other) > max(max(ends[r]) for r in lead)
+    assert sim.iteration_and_peak()[0] == _whole(sim) > simulate(module, cluster=cluster).iteration_s
+
+
+def test_a_part_whose_compute_or_instructions_differ_is_no_copy() -> None:
+    module = _compiled("T2 D2 P2 interleaved")
+    cluster = resolve_cluster("2x4xA100-80GB")
+    sim = _simulator(module, cluster)
+    rank = sim.parts[1][0]
+    costs = sim.of_rank[rank]
+    stage = next(iter(costs.fwd))
+    costs.fwd[stage] *= 1.5  # this member alone computes slower
+    assert len(sim.distinct_parts()) == 2
+    assert sim.iteration_and_peak()[0] == _whole(sim)
+
+    module = copy.deepcopy(module)
+    program = module.programs[sim.parts[1][0]]
+    index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.SEND)
+    program.instrs[index] = dataclasses.replace(program.instrs[index], mb=(program.instrs[index].mb or 0) + 1)
+    assert len(_simulator(module, cluster).distinct_parts()) == 2
+
+
+def _send_peer(module: Module, part: list[int]) -> int:
+    for rank in part:
+        for instr in module.programs[rank].instrs:
+            if instr.kind is InstrKind.SEND and instr.peer is not None:
+                return instr.peer
+    raise AssertionError("the part sends nothing")
