@@ -23,6 +23,7 @@ from dapple_ir.passes.plan import lower_and_simulate
 from dapple_ir.plan_dir import load_plan
 from dapple_ir.planner.baselines import time_balanced_partition
 from dapple_ir.planner.cost_model import Problem, candidate, evaluate, stage_memory
+from dapple_ir.planner.recompute import recut
 from dapple_ir.planner.search import Request, search, trim_recompute
 from dapple_ir.sim.simulator import simulate
 from tests.test_exactness import DROPOUT_MODEL, _spec
@@ -143,6 +144,53 @@ def test_trimmed_recompute_is_the_fastest_fitting_choice_of_all_subsets() -> Non
         assert trimmed.estimate.iteration_s == pytest.approx(min(fitting))
         checked += 1
     assert checked == 2  # the 4-stage plans of microbatches of 1; the others fit in no way
+
+
+def _stage_work(problem: Problem, cand, k: int) -> float:  # type: ignore[no-untyped-def]
+    """Stage k's busy seconds per iteration from the problem's layer times (no host work or links on `_ideal`):
+    its microbatches x (F + B, plus F again where it recomputes)."""
+    st = cand.stages[k]
+    b = problem.microbatch_size(cand.microbatches)
+    scale = b / problem.cost_batch
+    fwd = sum(problem.fwd_s[st.lo : st.hi]) * scale
+    bwd = sum(problem.bwd_s[st.lo : st.hi]) * scale
+    return -(-cand.microbatches // st.replicas) * (fwd + bwd + (fwd if cand.recomputes(k) else 0.0))
+
+
+def test_recut_finds_the_least_busiest_stage_of_all_cuts_and_recompute_choices() -> None:
+    """`recut` against every cut of 8 unequal layers into 3 stages and every subset of recomputing stages: the
+    busiest stage's work is the least any fitting choice gives, and a stage recomputes only where it must."""
+    cluster = _ideal(1, 3)
+    cap = cluster.device(0).memory_bytes
+    layers = 8
+    fwd = [0.010, 0.014, 0.008, 0.012, 0.016, 0.009, 0.011, 0.013]
+    act = [f * cap for f in (0.4, 0.3, 0.25, 0.3, 0.35, 0.2, 0.3, 0.25)]
+    problem = Problem(
+        fwd, [2 * f for f in fwd], act, [0.03 * cap] * layers, [0.0] * layers, [0.0] * layers, cluster,
+        global_batch=8, cost_batch=1, batch=1,
+    )  # fmt: skip
+    start = candidate(problem, [0, 3, 6, 8], [1, 1, 1], 8, "1f1b", "append-first", "t")
+    assert start is not None
+    best, fitting_without = float("inf"), 0
+    for lo, hi in itertools.combinations(range(1, layers), 2):
+        spans = [(0, lo), (lo, hi), (hi, layers)]
+        stages = tuple(dataclasses.replace(st, lo=a, hi=b) for st, (a, b) in zip(start.stages, spans, strict=True))
+        cand = dataclasses.replace(start, stages=stages)
+        fitting_without += evaluate(problem, cand).fits
+        for choice in itertools.product((False, True), repeat=3):
+            chosen = dataclasses.replace(cand, recompute=choice)
+            if evaluate(problem, chosen).fits:
+                best = min(best, max(_stage_work(problem, chosen, k) for k in range(3)))
+    # The first stage holds 3 microbatches in flight: every layer's take 1.2 devices without recomputation.
+    assert fitting_without == 0
+    found = recut(problem, dataclasses.replace(start, recompute=(True, True, True)))
+    assert found is not None and evaluate(problem, found).fits
+    assert max(_stage_work(problem, found, k) for k in range(3)) == pytest.approx(best, rel=1e-3)
+    assert any(found.recompute) and not all(found.recompute)
+    for k in range(3):
+        if found.recomputes(k):
+            flags = tuple(found.recomputes(j) and j != k for j in range(3))
+            assert evaluate(problem, dataclasses.replace(found, recompute=flags)).stage_peak_bytes[k] > cap
 
 
 def test_auto_recomputes_only_where_the_plan_needs_it() -> None:

@@ -22,7 +22,7 @@ from dapple_ir.planner.gather import (
 )
 from dapple_ir.planner.local_search import cluster_is_small, local_search
 from dapple_ir.planner.pinned import keeps_cuts, pinned_candidates
-from dapple_ir.planner.recompute import recompute_variants
+from dapple_ir.planner.recompute import rebalanced, recompute_variants
 from dapple_ir.planner.request import RECOMPUTE_SCHEDULES, Request, validate, virtual_choices
 from dapple_ir.planner.scoring import Score, Scored, SearchProgress, score_best, unique
 from dapple_ir.planner.zero import zero_variants
@@ -151,6 +151,8 @@ def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tu
     if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = recompute_variants(problem, req, schedule, pool)
     pool = zero_variants(problem, req, pool)
+    if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES and not req.cuts:
+        pool = rebalanced(problem, req, pool)
     # Recomputation's own searches propose cuts of their own: with pinned cuts, only those stay.
     return schedule, unique([s for s in pool if keeps_cuts(s.cand, req)])
 
