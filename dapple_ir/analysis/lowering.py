@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import compress, count
+from operator import attrgetter
 
 from dapple_ir.analysis import tensor_shards
 from dapple_ir.analysis.stage_graph import (
@@ -40,7 +42,18 @@ from dapple_ir.analysis.stage_graph import (
     values_needing_grad,
 )
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, Instr, InstrKind, Module, Op, OpKind, RankProgram, Stage
+from dapple_ir.ir import (
+    COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
+    INPUT_GRAD_KINDS,
+    Instr,
+    InstrKind,
+    Module,
+    Op,
+    OpKind,
+    RankProgram,
+    Stage,
+)
 from dapple_ir.ir.scale import collector_paused
 
 
@@ -189,18 +202,17 @@ class _Lowering:
         """Member `k`'s lowered instructions from its lead's (`tensor_members`): each transfer with member k of the
         lead's peer group, each collective over member k of each group in it (ascending, as `group` lists them); the
         rest, the lead's very instructions (the group's sums included: the whole group runs them)."""
-        send, recv, tensor = InstrKind.SEND, InstrKind.RECV, _TENSOR_REDUCE
-        out: list[Instr] = []
-        for i in lead:
-            kind = i.kind
-            if kind is send or kind is recv:
+        out = list(lead)
+        # Only transfers and collectives change: found without a Python call per instruction (a thousand ranks'
+        # programs are millions of them, mostly the group's sums).
+        for index in compress(count(), map(_MEMBER_MAPPED.__contains__, map(_KIND, lead))):
+            i = lead[index]
+            if i.kind is InstrKind.SEND or i.kind is InstrKind.RECV:
                 assert i.peer is not None
-                out.append(Instr(kind, i.stage, i.value, i.grad, i.mb, members[i.peer][k], i.rows, i.group, i.param))
-            elif i.group is not None and kind is not tensor:
+                out[index] = Instr(i.kind, i.stage, i.value, i.grad, i.mb, members[i.peer][k], i.rows, i.group, i.param)
+            elif i.group is not None:
                 group = tuple(sorted(members[g][k] for g in i.group))
-                out.append(Instr(kind, i.stage, i.value, i.grad, i.mb, i.peer, i.rows, group, i.param))
-            else:
-                out.append(i)
+                out[index] = Instr(i.kind, i.stage, i.value, i.grad, i.mb, i.peer, i.rows, group, i.param)
         return out
 
     def lower(self, rank: int, program: RankProgram) -> list[Instr]:
@@ -376,6 +388,9 @@ _COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
 _INPUT_GRAD = frozenset(kind.value for kind in INPUT_GRAD_KINDS)
 #: A tensor group's sum inside a compute (`tensor_reduces`).
 _TENSOR_REDUCE = InstrKind.TENSOR_ALLREDUCE
+#: The kinds a tensor group's member holds with peers and groups of its own (`as_member`), by text; `_KIND` reads it.
+_MEMBER_MAPPED = frozenset(kind.value for kind in (InstrKind.SEND, InstrKind.RECV, *COLLECTIVE_KINDS))
+_KIND = attrgetter("kind._value_")
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
 _SHARD_REDUCE = InstrKind.REDUCE_SCATTER

@@ -93,29 +93,50 @@ def check_compute_order(module: Module) -> None:
         for name in p.attrs.stages or ()
     }
     done: dict[tuple[Stage, int, int, int], list[InstrKind]] = {}
+    # The members of a tensor group run the very same computations (`lower-comm` shares them): where a rank's are
+    # those of one checked before, with its replica, only the owners of its (stage, replica) pairs are left to
+    # check, and its (stage, mb, replica) runs are the other's, under its own tensor rank.
+    checked: dict[tuple[object, ...], tuple[set[tuple[Stage, int]], dict[tuple[Stage, int, int], list[InstrKind]]]] = {}
     for index, program in enumerate(module.programs):
-        for i, instr in enumerate(program.instrs):
-            if instr.kind._value_ not in _COMPUTE or instr.stage is None or instr.mb is None:
+        instrs = program.instrs
+        computes = tuple(compress(instrs, map(_COMPUTE.__contains__, map(_KIND, instrs))))
+        k = program.attrs.tensor_rank or 0
+        shape = (program.attrs.replica or 0, computes)
+        seen = checked.get(shape)
+        if seen is not None and all(owner.get((s.name, replica, k)) == index for s, replica in seen[0]):
+            for (stage, mb, replica), kinds in seen[1].items():
+                done[(stage, mb, replica, k)] = list(kinds)
+            continue
+        # A computation's (stage, replica) and its (stage, mb, replica)'s runs; the first problem raised here.
+        pairs: set[tuple[Stage, int]] = set()
+        runs: dict[tuple[Stage, int, int], list[InstrKind]] = {}
+        for i in compress(count(), map(_COMPUTE.__contains__, map(_KIND, instrs))):
+            instr = instrs[i]
+            if instr.stage is None or instr.mb is None:
                 continue
             stage, mb = instr.stage, instr.mb
             # Every replica of a split stage runs every microbatch (its rows of it).
             replica = (program.attrs.replica or 0) if stage.split else mb % stage.replicas
-            k = program.attrs.tensor_rank or 0
             expected = owner.get((stage.name, replica, k))
             if expected != index:
                 raise VerifyError(
                     f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
                     f"{replica}, which is rank {expected}"
                 )
+            pairs.add((stage, replica))
             problem = _order_problem(done.setdefault((stage, mb, replica, k), []), instr.kind)
             if problem:
                 raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
             done[(stage, mb, replica, k)].append(instr.kind)
+            runs[(stage, mb, replica)] = done[(stage, mb, replica, k)]
+        checked.setdefault(shape, (pairs, {key: list(kinds) for key, kinds in runs.items()}))
+    complete = ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT)
     for stage in module.stages:
         for mb in range(m):
             for replica in range(stage.replicas) if stage.split else (mb % stage.replicas,):
                 for k in range(stage.tp):
-                    _check_complete(stage, mb, replica, k, done.get((stage, mb, replica, k), []))
+                    if done.get((stage, mb, replica, k)) not in complete:
+                        _check_complete(stage, mb, replica, k, done.get((stage, mb, replica, k), []))
 
 
 def _check_complete(stage: Stage, mb: int, replica: int, k: int, kinds: list[InstrKind]) -> None:
@@ -153,11 +174,6 @@ def _order_problem(before: list[InstrKind], kind: InstrKind) -> str | None:
 # ---------------------------------------------------------------------------------------- deadlock
 
 
-def _message_key(instr: Instr, rank: int) -> tuple[object, ...]:
-    src, dst = (rank, instr.peer) if instr.kind is InstrKind.SEND else (instr.peer, rank)
-    return (src, dst, instr.value, instr.grad, instr.mb)
-
-
 def _collective_key(instr: Instr, occurrence: int) -> tuple[object, ...]:
     return (instr.kind, instr.stage, instr.param, instr.group, occurrence)
 
@@ -168,27 +184,34 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
     # Only sends, receives and collectives meet other ranks (the rest never wait): each rank goes from one to the next.
     stops = [list(compress(count(), map(_MEETS.__contains__, map(_KIND, p.instrs)))) for p in programs]
     at = [0] * n
-    posted: Counter[tuple[object, ...]] = Counter()
+    # Messages sent and not yet received, by (sender, receiver, value, gradient, microbatch): a plain dict, read with
+    # `get`, for the millions of transfers of a thousand ranks.
+    posted: dict[tuple[object, ...], int] = {}
     waiting: dict[tuple[object, ...], int] = {}
     arrived: dict[tuple[object, ...], set[int]] = {}
     seen_collectives: list[Counter[tuple[object, ...]]] = [Counter() for _ in range(n)]
     runnable = deque(range(n))
+    send, recv, sent = InstrKind.SEND, InstrKind.RECV, posted.get
     while runnable:
         rank = runnable.popleft()
         instrs, mine = programs[rank].instrs, stops[rank]
-        while at[rank] < len(mine):
-            instr = instrs[mine[at[rank]]]
-            if instr.kind is InstrKind.SEND:
-                key = _message_key(instr, rank)
-                posted[key] += 1
+        # Only this rank moves its own position here (a collective moves the others'): kept in a local.
+        k, end = at[rank], len(mine)
+        while k < end:
+            instr = instrs[mine[k]]
+            kind = instr.kind
+            if kind is send:
+                key: tuple[object, ...] = (rank, instr.peer, instr.value, instr.grad, instr.mb)
+                posted[key] = sent(key, 0) + 1
                 if key in waiting:
                     runnable.append(waiting.pop(key))
-            elif instr.kind is InstrKind.RECV:
-                key = _message_key(instr, rank)
-                if not posted[key]:
+            elif kind is recv:
+                key = (instr.peer, rank, instr.value, instr.grad, instr.mb)
+                messages = sent(key, 0)
+                if not messages:
                     waiting[key] = rank
                     break
-                posted[key] -= 1
+                posted[key] = messages - 1
             else:
                 base = (instr.kind, instr.stage, instr.param, instr.group)
                 key = _collective_key(instr, seen_collectives[rank][base])
@@ -202,7 +225,8 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
                     seen_collectives[other][base] += 1
                     at[other] += 1
                     runnable.append(other)
-            at[rank] += 1
+            k += 1
+        at[rank] = k
     pc = [mine[k] if k < len(mine) else len(p.instrs) for p, mine, k in zip(programs, stops, at, strict=True)]
     stuck = [r for r in range(n) if pc[r] < len(programs[r].instrs)]
     if stuck:
