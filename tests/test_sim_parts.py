@@ -112,6 +112,22 @@ def test_a_part_whose_compute_or_instructions_differ_is_no_copy() -> None:
     program.instrs[index] = dataclasses.replace(program.instrs[index], mb=(program.instrs[index].mb or 0) + 1)
     assert len(_simulator(module, cluster).distinct_parts()) == 2
 
+    # A send to another rank of the same part, and a collective over another group of it: the same fields but a peer,
+    # or a group, that is not the counterpart's.
+    module = copy.deepcopy(_compiled("T2 D2 P2 interleaved"))
+    part = _simulator(module, cluster).parts[1]
+    program = module.programs[part[0]]
+    index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.SEND)
+    other = next(r for r in part if r not in (part[0], program.instrs[index].peer))
+    program.instrs[index] = dataclasses.replace(program.instrs[index], peer=other)
+    assert len(_simulator(module, cluster).distinct_parts()) == 2
+    module = copy.deepcopy(_compiled("T2 D2 P2 interleaved"))
+    program = module.programs[part[0]]
+    index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.ALLREDUCE)
+    assert program.instrs[index].group == (part[0], part[1])
+    program.instrs[index] = dataclasses.replace(program.instrs[index], group=(part[0], part[2]))
+    assert len(_simulator(module, cluster).distinct_parts()) == 2
+
 
 def _send_peer(module: Module, part: list[int]) -> int:
     for rank in part:

@@ -91,6 +91,13 @@ def _drop_last_backward(module: Module) -> None:
     program.instrs = program.instrs[:b] + program.instrs[b + 1 :]
 
 
+def _drop_a_microbatch(module: Module) -> None:
+    """The member runs neither the forward nor the backward of its last microbatch: every run it has is complete."""
+    program = _member(module)
+    mb = max(instr.mb for instr in program.instrs if instr.kind is InstrKind.FORWARD and instr.mb is not None)
+    program.instrs = [i for i in program.instrs if not (i.kind in COMPUTE_KINDS and i.mb == mb)]
+
+
 def _claim_another_replica(module: Module) -> None:
     """The member says it is replica 1 of its stages while running replica 0's microbatches: its shape is its lead's
     only where the replica is not part of it."""
@@ -114,6 +121,7 @@ BREAKS: dict[str, Callable[[Module], None]] = {
     "as compiled": lambda _m: None,
     "a member runs a backward before its forward": _swap_first_backward_and_forward,
     "a member misses a backward": _drop_last_backward,
+    "a member misses a microbatch": _drop_a_microbatch,
     "a member claims another replica": _claim_another_replica,
     "two members trade tensor ranks": _swap_tensor_ranks,
 }

@@ -83,6 +83,12 @@ def _where(module: Module | None, program: RankProgram, index: int) -> str:
 # ------------------------------------------------------------------------------ work is complete
 
 
+#: What one sequence of computations runs, once checked (`_walk_computations`): the (stage, replica) pairs whose owner
+#: must be the rank that runs it, its kinds by (stage, mb, replica), per stage how many of those are of a microbatch
+#: and replica the plan has, and whether all of those are complete.
+_Walked = tuple[set[tuple[Stage, int]], dict[tuple[Stage, int, int], list[InstrKind]], dict[Stage, int], bool]
+
+
 def check_compute_order(module: Module) -> None:
     """Each stage runs each microbatch's forward once, on the replica that owns it, then its backward once (on every
     member of the replica's tensor group, `StageAttrs.tp`)."""
@@ -92,44 +98,29 @@ def check_compute_order(module: Module) -> None:
         for index, p in enumerate(module.programs)
         for name in p.attrs.stages or ()
     }
-    done: dict[tuple[Stage, int, int, int], list[InstrKind]] = {}
     # The members of a tensor group run the very same computations (`lower-comm` shares them): where a rank's are
     # those of one checked before, with its replica, only the owners of its (stage, replica) pairs are left to
-    # check, and its (stage, mb, replica) runs are the other's, under its own tensor rank.
-    checked: dict[tuple[object, ...], tuple[set[tuple[Stage, int]], dict[tuple[Stage, int, int], list[InstrKind]]]] = {}
+    # check, and its runs are the other's, under its own tensor rank. A (stage, mb, replica, tensor rank) is run
+    # only by the rank that owns it, so each rank's order is checked on its own runs alone.
+    checked: dict[tuple[object, ...], _Walked] = {}
+    walked: list[tuple[_Walked, int]] = []
+    covered = 0
     for index, program in enumerate(module.programs):
         instrs = program.instrs
         computes = tuple(compress(instrs, map(_COMPUTE.__contains__, map(_KIND, instrs))))
         k = program.attrs.tensor_rank or 0
         shape = (program.attrs.replica or 0, computes)
         seen = checked.get(shape)
-        if seen is not None and all(owner.get((s.name, replica, k)) == index for s, replica in seen[0]):
-            for (stage, mb, replica), kinds in seen[1].items():
-                done[(stage, mb, replica, k)] = list(kinds)
-            continue
-        # A computation's (stage, replica) and its (stage, mb, replica)'s runs; the first problem raised here.
-        pairs: set[tuple[Stage, int]] = set()
-        runs: dict[tuple[Stage, int, int], list[InstrKind]] = {}
-        for i in compress(count(), map(_COMPUTE.__contains__, map(_KIND, instrs))):
-            instr = instrs[i]
-            if instr.stage is None or instr.mb is None:
-                continue
-            stage, mb = instr.stage, instr.mb
-            # Every replica of a split stage runs every microbatch (its rows of it).
-            replica = (program.attrs.replica or 0) if stage.split else mb % stage.replicas
-            expected = owner.get((stage.name, replica, k))
-            if expected != index:
-                raise VerifyError(
-                    f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
-                    f"{replica}, which is rank {expected}"
-                )
-            pairs.add((stage, replica))
-            problem = _order_problem(done.setdefault((stage, mb, replica, k), []), instr.kind)
-            if problem:
-                raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
-            done[(stage, mb, replica, k)].append(instr.kind)
-            runs[(stage, mb, replica)] = done[(stage, mb, replica, k)]
-        checked.setdefault(shape, (pairs, {key: list(kinds) for key, kinds in runs.items()}))
+        if seen is None or not all(owner.get((s.name, replica, k)) == index for s, replica in seen[0]):
+            seen = checked.setdefault(shape, _walk_computations(module, index, owner, k))
+        walked.append((seen, k))
+        covered += sum(n for stage, n in seen[2].items() if k < stage.tp)
+    # Complete where the runs of the plan's (stage, mb, replica, tensor rank)s, no two alike, are all there and
+    # complete; else the first one missing or incomplete is looked for, in the plan's order.
+    expected = sum(m * (stage.replicas if stage.split else 1) * stage.tp for stage in module.stages)
+    if covered == expected and all(seen[3] for seen, _k in walked):
+        return
+    done = {(stage, mb, replica, k): kinds for seen, k in walked for (stage, mb, replica), kinds in seen[1].items()}
     complete = ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT)
     for stage in module.stages:
         for mb in range(m):
@@ -137,6 +128,41 @@ def check_compute_order(module: Module) -> None:
                 for k in range(stage.tp):
                     if done.get((stage, mb, replica, k)) not in complete:
                         _check_complete(stage, mb, replica, k, done.get((stage, mb, replica, k), []))
+
+
+def _walk_computations(module: Module, index: int, owner: dict[tuple[str, int, int], int], k: int) -> _Walked:
+    """Rank `index`'s computations checked in order (owner, then order: the first problem raised), and what they run."""
+    program = module.programs[index]
+    instrs, m = program.instrs, module.attrs.microbatches or 0
+    pairs: set[tuple[Stage, int]] = set()
+    runs: dict[tuple[Stage, int, int], list[InstrKind]] = {}
+    for i in compress(count(), map(_COMPUTE.__contains__, map(_KIND, instrs))):
+        instr = instrs[i]
+        if instr.stage is None or instr.mb is None:
+            continue
+        stage, mb = instr.stage, instr.mb
+        # Every replica of a split stage runs every microbatch (its rows of it).
+        replica = (program.attrs.replica or 0) if stage.split else mb % stage.replicas
+        expected = owner.get((stage.name, replica, k))
+        if expected != index:
+            raise VerifyError(
+                f"verify: {_where(module, program, i)}: microbatch {mb} of @{stage.name} belongs to replica "
+                f"{replica}, which is rank {expected}"
+            )
+        pairs.add((stage, replica))
+        kinds = runs.setdefault((stage, mb, replica), [])
+        problem = _order_problem(kinds, instr.kind)
+        if problem:
+            raise VerifyError(f"verify: {_where(module, program, i)}: {problem}")
+        kinds.append(instr.kind)
+    stages = set(module.stages)
+    planned: dict[Stage, int] = {}
+    whole = True
+    for (stage, mb, replica), kinds in runs.items():
+        if stage in stages and 0 <= mb < m and replica < stage.replicas:
+            planned[stage] = planned.get(stage, 0) + 1
+            whole = whole and kinds in ([InstrKind.FORWARD, InstrKind.BACKWARD], _SPLIT)
+    return pairs, runs, planned, whole
 
 
 def _check_complete(stage: Stage, mb: int, replica: int, k: int, kinds: list[InstrKind]) -> None:

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import compress, count, repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 
 from dapple_ir.ir import COLLECTIVE_KINDS, Instr, InstrKind, RankProgram
 
 _TENSOR = InstrKind.TENSOR_ALLREDUCE
 #: An instruction's kind by its text, its peer, its group: read for millions of instructions without a Python call each.
-_KIND, _PEER = attrgetter("kind._value_"), attrgetter("peer")
+_KIND, _PEER, _GROUP, _KIND_OF = attrgetter("kind._value_"), attrgetter("peer"), attrgetter("group"), attrgetter("kind")
+#: What an instruction and its counterpart in a copy hold alike.
+_FIELDS = attrgetter("kind", "stage", "value", "grad", "mb", "rows", "param")
 _COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 
 #: The links (`Network` ids) a transfer or a ring step crosses where it takes time; () where it takes none.
@@ -101,8 +103,9 @@ class CopyCheck:
     """Whether a part is a copy of another (see the module docstring). `same_rank(r, s)`: rank `s` runs on a device of
     rank `r`'s kind, with its replica, stages, costs and start; `route(src, dst)`: the links of a send, with
     `latency(src, dst)`; `ring(instr, rank)`: the links of each step of a collective of `rank` and the ring's
-    price (anything comparable); `posts(rank)`: per instruction, the receives posted before it (None: none), each a
-    key whose fourth and fifth entries are the sending and receiving ranks."""
+    price (anything comparable). Where the receives are posted, and what memory does, follows: both depend on a
+    program's shape (`peak_memory.program_shape`: each instruction less its peer and group, the microbatches, the
+    replica), which a copy's programs share with their counterparts."""
 
     def __init__(
         self,
@@ -111,7 +114,6 @@ class CopyCheck:
         route: Route,
         latency: Callable[[int, int], float],
         ring: Callable[[Instr, int], tuple[list[tuple[int, ...]], object]],
-        posts: Callable[[int], list[list[tuple] | None]],  # type: ignore[type-arg]
         bandwidth: Sequence[float],
     ) -> None:
         self.programs = programs
@@ -119,7 +121,6 @@ class CopyCheck:
         self.route = route
         self.latency = latency
         self.ring = ring
-        self.posts = posts
         self.bandwidth = bandwidth
 
     def copies(self, rep: list[int], part: list[int]) -> bool:
@@ -132,10 +133,9 @@ class CopyCheck:
         onto = dict(zip(rep, part, strict=True))
         links: dict[int, int] = {}
         back: dict[int, int] = {}
-        routes: set[tuple[int, int]] = set()
         rings: set[tuple[int, ...]] = set()
         for r, s in zip(rep, part, strict=True):
-            if not self.same_rank(r, s) or not self.same_posts(r, s, onto):
+            if not self.same_rank(r, s):
                 return False
             mine, theirs = programs[r].instrs, programs[s].instrs
             # Where the two programs hold other instructions, and where they must (their peers and groups differ):
@@ -143,33 +143,21 @@ class CopyCheck:
             look = set(compress(count(), map(is_not, mine, theirs)))
             look.update(compress(count(), map(is_not, map(_PEER, mine), repeat(None))))
             look.update(compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, mine))))
-            for i in look:
-                a, b = mine[i], theirs[i]
-                if not _same_instr(a, b, onto):
-                    return False
-                if a.peer is not None and a.kind is InstrKind.SEND and (r, a.peer) not in routes:
-                    routes.add((r, a.peer))
-                    if not self.same_route(r, a.peer, s, onto[a.peer], links, back):
-                        return False
-                elif a.group is not None and a.kind in COLLECTIVE_KINDS and a.group not in rings:
-                    rings.add(a.group)
-                    (paths, price), (their_paths, their_price) = self.ring(a, r), self.ring(b, s)
-                    if price != their_price or not self.same_links(paths, their_paths, links, back):
-                        return False
-        return True
-
-    def same_posts(self, r: int, s: int, onto: dict[int, int]) -> bool:
-        mine, theirs = self.posts(r), self.posts(s)
-        where = list(compress(count(), map(is_not, mine, repeat(None))))
-        if where != list(compress(count(), map(is_not, theirs, repeat(None)))):
-            return False
-        for i in where:
-            a_posts, b_posts = mine[i], theirs[i]
-            assert a_posts is not None and b_posts is not None
-            if len(a_posts) != len(b_posts):
+            mine_at, theirs_at = [mine[i] for i in look], [theirs[i] for i in look]
+            if not _same_instrs(mine_at, theirs_at, onto):
                 return False
-            for a, b in zip(a_posts, b_posts, strict=True):
-                if a[:3] != b[:3] or onto.get(a[3]) != b[3] or onto.get(a[4]) != b[4]:
+            sends = compress(map(_PEER, mine_at), map(is_, map(_KIND_OF, mine_at), repeat(InstrKind.SEND)))
+            for peer in set(sends):
+                if not self.same_route(r, peer, s, onto[peer], links, back):
+                    return False
+            for j in compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, mine_at))):
+                a, b = mine_at[j], theirs_at[j]
+                assert a.group is not None
+                if a.group in rings:
+                    continue
+                rings.add(a.group)
+                (paths, price), (their_paths, their_price) = self.ring(a, r), self.ring(b, s)
+                if price != their_price or not self.same_links(paths, their_paths, links, back):
                     return False
         return True
 
@@ -200,16 +188,21 @@ class CopyCheck:
         return True
 
 
-def _same_instr(a: Instr, b: Instr, onto: dict[int, int]) -> bool:
-    """Whether `b` is `a` with its peer, or its collective's group, mapped by `onto` (a tensor group kept as it is)."""
-    if a.kind is not b.kind or a.stage is not b.stage or a.value is not b.value or a.param != b.param:
+def _same_instrs(mine: list[Instr], theirs: list[Instr], onto: dict[int, int]) -> bool:
+    """Whether each of `theirs` is the one of `mine` at its place with its peer, or its collective's group, mapped by
+    `onto` (a tensor group kept as it is): compared field by field a list at a time, the groups one by one (a
+    program has few)."""
+    if list(map(_FIELDS, mine)) != list(map(_FIELDS, theirs)):
         return False
-    if a.grad != b.grad or a.mb != b.mb or a.rows != b.rows:
+    # A part holds every peer of its ranks: a peer maps to a peer, and no peer to no peer.
+    if list(map(onto.get, map(_PEER, mine))) != list(map(_PEER, theirs)):
         return False
-    if a.peer is not None or b.peer is not None:
-        return a.peer is not None and onto.get(a.peer) == b.peer
-    if a.group is None or b.group is None:
-        return a.group == b.group
-    if a.kind is _TENSOR:
-        return a.group == b.group
-    return tuple(onto.get(g, -1) for g in a.group) == b.group
+    grouped = set(compress(count(), map(is_not, map(_GROUP, mine), repeat(None))))
+    grouped.update(compress(count(), map(is_not, map(_GROUP, theirs), repeat(None))))
+    for j in grouped:
+        a, b = mine[j], theirs[j]
+        if a.group is None or b.group is None:
+            return False
+        if (a.group if a.kind is _TENSOR else tuple(onto.get(g, -1) for g in a.group)) != b.group:
+            return False
+    return True

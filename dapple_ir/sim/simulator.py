@@ -83,7 +83,9 @@ per-rank peak equals the peak over instruction order that `insert-frees` compute
 The engine runs ranks in global time order: a rank computes ahead on its own until it reaches a
 send, recv or allreduce at a time when something else (another rank, a flow's end) happens first;
 then it waits in an event queue. Compute costs nothing beyond the loop; each transfer costs a few
-queue operations and a rate update on the links of its path.
+queue operations and a rate update on the links of its path. Ranks that never wait on one another and
+share no link or core (`dapple_ir.sim.parts`: the members of a tensor group, each on its own network card) run
+as separate parts, each on its own queue and links; `predict` runs one part of each set of copies.
 """
 
 from __future__ import annotations
@@ -447,9 +449,10 @@ class _RankCosts(NamedTuple):
     """Per instruction, the host's own seconds (`host_s`); None where no device prices them."""
     core_path: tuple[int, int] | None
     """Its (node's cores, own thread) links where ranks share cores (`_core_paths`), else None."""
-    posts: list[list[tuple] | None]  # type: ignore[type-arg]
+    posts: list[list[tuple] | None] | None  # type: ignore[type-arg]
     """Per instruction, the receives (transfer keys) posted right before it (None: none): each recv at its own index, or
-    earlier where `peak_memory.recv_posts` moves it."""
+    earlier where `peak_memory.recv_posts` moves it. Worked out for a rank once its part runs (`_Simulator.prepare`):
+    None before."""
 
 
 def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[list[list[tuple] | None], list[tuple[int, float]]]:  # type: ignore[type-arg]
@@ -559,9 +562,9 @@ class _Simulator:
         self.tied: set[str] | None = None
         # Per rank, the seconds of each value's tensor_allreduce (`tensor_s`), priced once.
         self.tensor: list[dict[Op, float]] = [{} for _ in module.programs]
-        posts = [_posts(module, rank, self.sizes) for rank in range(len(module.programs))]
-        # Per rank, (instruction index, bytes) of each change of its live memory under its receives' posts.
-        self.changes = [changes for _, changes in posts]
+        # Per rank, (instruction index, bytes) of each change of its live memory under its receives' posts, once its
+        # part runs (`prepare`): a copy of another part needs none of its own.
+        self.changes: list[list[tuple[int, float]] | None] = [None] * len(module.programs)
         # Per rank and instruction, the host's own seconds (`host_s`); None where no device prices them.
         priced = any(kind.prices_host for kind in kinds)
         host = [host_s(p, kind) for p, kind in zip(module.programs, kinds, strict=True)] if priced else None
@@ -573,7 +576,7 @@ class _Simulator:
                 self.optimizer_s(r),
                 host[r] if host is not None else None,
                 self.core_paths[r] if self.core_paths is not None else None,
-                posts[r][0],
+                None,
             )
             for r, program in enumerate(module.programs)
         ]
@@ -721,6 +724,7 @@ class _Simulator:
         """The events of the ranks of one part (ascending), run out; the other ranks' entries stay empty."""
         programs = self.module.programs
         n = len(programs)
+        self.prepare(part)
         starts: list[list[float]] = [[] for _ in range(n)]
         ends: list[list[float]] = [[] for _ in range(n)]
         for r in part:
@@ -774,23 +778,35 @@ class _Simulator:
         that is a copy of another (`dapple_ir.sim.parts`) is not run again: its timeline is the other's."""
         programs = self.module.programs
         iteration = 0.0
-        for part in self.distinct_parts():
+        distinct = self.distinct_parts()
+        for part in distinct:
             state = self.run_part(part, {}, None)
             if any(state.pc[r] < len(programs[r].instrs) for r in part):
                 self.engine({})  # says which ranks of every part are stuck
             iteration = max(iteration, max((max(state.ends[r], default=0.0) for r in part), default=0.0))
-        # Ranks of one program shape share their changes (`peak_memory.posted_changes`): each peak walked once.
+        # Ranks of one program shape share their changes (`peak_memory.posted_changes`): each peak walked once. A
+        # copy's ranks hold their counterparts' stages and programs of their shape: their peaks are those.
         peaks: dict[tuple[int, float], float] = {}
-        for r in range(len(programs)):
-            static = self.sizes.static_of(self.hosted[r])
-            key = (id(self.changes[r]), static)
-            if key not in peaks:
-                level = peak = static
-                for _i, change in self.changes[r]:
-                    level += change
-                    peak = max(peak, level)
-                peaks[key] = peak
+        for part in distinct:
+            for r in part:
+                changes = self.changes[r]
+                assert changes is not None
+                static = self.sizes.static_of(self.hosted[r])
+                key = (id(changes), static)
+                if key not in peaks:
+                    level = peak = static
+                    for _i, change in changes:
+                        level += change
+                        peak = max(peak, level)
+                    peaks[key] = peak
         return iteration, max(peaks.values(), default=0.0)
+
+    def prepare(self, ranks: list[int]) -> None:
+        """Work out where the receives of `ranks` are posted, and their memory's changes (`_posts`), once."""
+        for r in ranks:
+            if self.changes[r] is None:
+                posts, self.changes[r] = _posts(self.module, r, self.sizes)
+                self.of_rank[r] = self.of_rank[r]._replace(posts=posts)
 
     # ------------------------------------------------------------------------------ independent parts
 
@@ -815,7 +831,6 @@ class _Simulator:
             self.route_links,
             lambda src, dst: self.network.latency(self.devices[src], self.devices[dst]),
             lambda instr, _rank: self.ring_of(instr),
-            lambda rank: self.of_rank[rank].posts,
             self.bandwidth,
         )
         by_shape: dict[tuple[int, ...], list[list[int]]] = {}
@@ -862,6 +877,7 @@ class _Simulator:
         its work on shared cores, or for the global clock where it would act on it (start a flow, a ring or shared
         work) at a time when something else happens first. Compute needs no clock: the rank runs ahead on its own."""
         instrs, fwd, bwd, bwd_input, bwd_weight, step_s, own_host, core_path, posts_of = self.of_rank[r]
+        assert posts_of is not None  # its part was prepared
         tensor_of = self.tensor[r]
         st, en, replayed = state.starts[r], state.ends[r], state.replayed
         i, t, limit, worked = state.pc[r], state.clock[r], len(instrs), 0.0
@@ -1233,7 +1249,7 @@ class _Simulator:
         """(time, bytes) after each allocation or release, as `peak_memory.memory_changes` counts them."""
         level = self.sizes.static_of(self.hosted[rank])
         curve = [(0.0, level)]
-        for i, change in self.changes[rank]:
+        for i, change in self.changes[rank] or ():
             level += change
             curve.append((starts[i], level))
         return curve
