@@ -14,6 +14,7 @@ from dapple_ir.ir import Module
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.registry import Pass, PassContext, register_pass
+from dapple_ir.sim.parts import meeting_parts
 
 
 @register_pass
@@ -27,4 +28,13 @@ class Verify(Pass):
         with collector_paused():  # a thousand ranks' programs are millions of instructions to walk
             verify_module(module)
             text = module.attrs.cluster or ctx.cluster
-            run_plan_checks(module, ctx.cluster_spec(text) if text else None)
+            run_plan_checks(module, ctx.cluster_spec(text) if text else None, _meeting(module))
+
+
+def _meeting(module: Module) -> list[int] | None:
+    """Where tensor groups run, the ranks of one part of each set of copies (`dapple_ir.sim.parts.meeting_parts`: the
+    members of a group meet only their counterparts in other groups): the deadlock check need run on no others.
+    None elsewhere, where the ranks are one part."""
+    if not module.programs or all(stage.tp == 1 for stage in module.stages):
+        return None
+    return sorted(rank for part in meeting_parts(module.programs) for rank in part)

@@ -12,10 +12,11 @@ from functools import cache
 import pytest
 
 from dapple_ir import api
-from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
+from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock, run_plan_checks
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module, RankProgram
 from dapple_ir.ir.printer import Namer, format_instr
+from dapple_ir.passes.verify import _meeting
 from tests.paths import ROOT
 
 MEGATRON = str(ROOT / "examples" / "megatron_gpt.py") + ":factory_tiny"
@@ -149,3 +150,22 @@ def test_a_member_whose_receive_never_comes_deadlocks() -> None:
     problem = find_deadlock(module.programs, module)
     assert problem is not None and f"rank {program.rank} instruction {index}" in problem
     assert find_deadlock(_compiled().programs, _compiled()) is None
+
+
+def test_the_deadlock_check_runs_one_plane_and_finds_a_broken_copy() -> None:
+    """The verify pass runs the deadlock check on one part of each set of copies (`sim.parts.meeting_parts`): one
+    tensor rank's plane here. A member of the other plane whose receive never comes makes its plane no copy, and the
+    check finds it, naming the instruction the check over every rank names."""
+    module = copy.deepcopy(_compiled())
+    meeting = _meeting(module)
+    assert meeting is not None and {module.programs[r].attrs.tensor_rank or 0 for r in meeting} == {0}
+    run_plan_checks(module, None, meeting)
+    program = _member(module)
+    index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.RECV)
+    program.instrs = list(program.instrs)
+    program.instrs[index] = dataclasses.replace(program.instrs[index], mb=99)
+    meeting = _meeting(module)
+    assert meeting is not None and program.rank in meeting
+    with pytest.raises(VerifyError) as caught:
+        run_plan_checks(module, None, meeting)
+    assert str(caught.value) == f"verify: the programs deadlock: {find_deadlock(module.programs, module)}"

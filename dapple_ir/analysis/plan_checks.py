@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Sequence
 from itertools import compress, count
 from operator import attrgetter
 
@@ -21,14 +22,21 @@ from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Instr, InstrKind, Modu
 from dapple_ir.ir.printer import Namer, format_instr
 
 
-def run_plan_checks(module: Module, cluster: str | ClusterSpec | None = None) -> None:
-    """Every check that applies to the programs as they are (frees and memory only once frees exist)."""
+def run_plan_checks(
+    module: Module, cluster: str | ClusterSpec | None = None, meeting: Sequence[int] | None = None
+) -> None:
+    """Every check that applies to the programs as they are (frees and memory only once frees exist). `meeting`: where
+    the caller knows every other rank to be in a copy of a part of these (`dapple_ir.sim.parts`: ranks that meet only
+    each other, whose programs map onto these instruction by instruction), the deadlock check runs on these alone;
+    where they find a problem, on every rank, to name the first."""
     if not module.programs:
         return
     check_compute_order(module)
-    kinds = {kind for p in module.programs for kind in map(_KIND, p.instrs)}
+    kinds: set[str] = set().union(*(map(_KIND, p.instrs) for p in module.programs))
     if kinds & {InstrKind.SEND.value, InstrKind.RECV.value, *_COLLECTIVE}:
-        problem = find_deadlock(module.programs, module)
+        problem = find_deadlock(module.programs, module, meeting) if meeting is not None else "unknown"
+        if problem:
+            problem = find_deadlock(module.programs, module)
         if problem:
             raise VerifyError(f"verify: the programs deadlock: {problem}")
     if InstrKind.FREE.value in kinds:
@@ -204,11 +212,17 @@ def _collective_key(instr: Instr, occurrence: int) -> tuple[object, ...]:
     return (instr.kind, instr.stage, instr.param, instr.group, occurrence)
 
 
-def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> str | None:
-    """None when all programs run to the end with every send received; else what goes wrong, with the cycle."""
+def find_deadlock(
+    programs: list[RankProgram], module: Module | None = None, ranks: Sequence[int] | None = None
+) -> str | None:
+    """None when all programs run to the end with every send received; else what goes wrong, with the cycle. `ranks`:
+    run only these, which meet no rank outside them (default: all)."""
     n = len(programs)
+    ranks = range(n) if ranks is None else ranks
     # Only sends, receives and collectives meet other ranks (the rest never wait): each rank goes from one to the next.
-    stops = [list(compress(count(), map(_MEETS.__contains__, map(_KIND, p.instrs)))) for p in programs]
+    stops: list[list[int]] = [[] for _ in range(n)]
+    for rank in ranks:
+        stops[rank] = list(compress(count(), map(_MEETS.__contains__, map(_KIND, programs[rank].instrs))))
     at = [0] * n
     # Messages sent and not yet received, by (sender, receiver, value, gradient, microbatch): a plain dict, read with
     # `get`, for the millions of transfers of a thousand ranks.
@@ -216,7 +230,7 @@ def find_deadlock(programs: list[RankProgram], module: Module | None = None) -> 
     waiting: dict[tuple[object, ...], int] = {}
     arrived: dict[tuple[object, ...], set[int]] = {}
     seen_collectives: list[Counter[tuple[object, ...]]] = [Counter() for _ in range(n)]
-    runnable = deque(range(n))
+    runnable = deque(ranks)
     send, recv, sent = InstrKind.SEND, InstrKind.RECV, posted.get
     while runnable:
         rank = runnable.popleft()

@@ -123,6 +123,18 @@ class CopyCheck:
         self.ring = ring
         self.bandwidth = bandwidth
 
+    def distinct(self, parts: list[list[int]]) -> list[list[int]]:
+        """The parts that are no copy of an earlier one, in order."""
+        programs = self.programs
+        by_shape: dict[tuple[int, ...], list[list[int]]] = {}
+        found = []
+        for part in parts:
+            alike = by_shape.setdefault(tuple(len(programs[r].instrs) for r in part), [])
+            if not any(self.copies(rep, part) for rep in alike):
+                alike.append(part)
+                found.append(part)
+        return found
+
     def copies(self, rep: list[int], part: list[int]) -> bool:
         """Whether `part` is a copy of `rep`, rank i of one onto rank i of the other."""
         programs = self.programs
@@ -206,3 +218,16 @@ def _same_instrs(mine: list[Instr], theirs: list[Instr], onto: dict[int, int]) -
         if (a.group if a.kind is _TENSOR else tuple(onto.get(g, -1) for g in a.group)) != b.group:
             return False
     return True
+
+
+def meeting_parts(programs: Sequence[RankProgram]) -> list[list[int]]:
+    """The ranks in parts that meet no rank outside (sends, receives, collectives; links not counted), one part of
+    each set of copies among them (instruction by instruction, whatever the devices): what a check of the programs
+    against each other, as a deadlock check, needs to run."""
+    parts = independent_parts(programs, lambda _src, _dst: (), lambda _instr: [])
+    check = CopyCheck(programs, lambda _r, _s: True, lambda _src, _dst: (), lambda _src, _dst: 0.0, _no_ring, [])
+    return check.distinct(parts)
+
+
+def _no_ring(_instr: Instr, _rank: int) -> tuple[list[tuple[int, ...]], object]:
+    return [], None

@@ -833,14 +833,7 @@ class _Simulator:
             lambda instr, _rank: self.ring_of(instr),
             self.bandwidth,
         )
-        by_shape: dict[tuple[int, ...], list[list[int]]] = {}
-        distinct = []
-        for part in self.parts:
-            alike = by_shape.setdefault(tuple(len(programs[r].instrs) for r in part), [])
-            if not any(check.copies(rep, part) for rep in alike):
-                alike.append(part)
-                distinct.append(part)
-        return distinct
+        return check.distinct(self.parts)
 
     def route_links(self, src: int, dst: int) -> tuple[int, ...]:
         """The links a send from rank `src` to rank `dst` takes time on: none where its path is free."""
