@@ -12,7 +12,9 @@ from functools import cache
 import pytest
 
 from dapple_ir import api
-from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock, run_plan_checks
+from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
+from dapple_ir.analysis.plan_checks import check_compute_order, check_memory, find_deadlock, run_plan_checks
+from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module, RankProgram
 from dapple_ir.ir.printer import Namer, format_instr
@@ -169,3 +171,31 @@ def test_the_deadlock_check_runs_one_plane_and_finds_a_broken_copy() -> None:
     with pytest.raises(VerifyError) as caught:
         run_plan_checks(module, None, meeting)
     assert str(caught.value) == f"verify: the programs deadlock: {find_deadlock(module.programs, module)}"
+
+
+def test_memory_is_checked_once_per_shape_and_a_member_that_holds_more_is_found() -> None:
+    """`check_memory` with the programs' shapes (as `run_plan_checks` passes them) says what it says without: a
+    member that never frees one activation (a shape of its own) is the one rank over a capacity between the two."""
+    module = copy.deepcopy(_compiled())
+    cluster = resolve_cluster("2x4xA100-80GB")
+    sizes = Sizes(module)
+    peak = max(program_peak(module, p, sizes).total for p in module.programs)
+    program = _member(module)
+    index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.FREE and instr.stage)
+    program.instrs = program.instrs[:index] + program.instrs[index + 1 :]
+    worst = program_peak(module, program, Sizes(module)).total
+    assert worst > peak
+    shapes = [program_shape(module, p) for p in module.programs]
+    for capacity in (peak, (peak + worst) / 2, peak / 2):
+        kinds = tuple(dataclasses.replace(kind, memory_bytes=capacity) for kind in cluster.node_kinds)
+        small = dataclasses.replace(cluster, node_kinds=kinds)
+        messages = []
+        for given in (shapes, None):
+            try:
+                check_memory(module, small, given)
+                messages.append("fits")
+            except VerifyError as exc:
+                messages.append(str(exc))
+        assert messages[0] == messages[1]
+        if capacity == (peak + worst) / 2:
+            assert f"rank {program.rank} on device" in messages[0]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from itertools import compress, count
 from operator import attrgetter
 
-from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
+from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, program_peak, program_shape
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
@@ -40,9 +40,11 @@ def run_plan_checks(
         if problem:
             raise VerifyError(f"verify: the programs deadlock: {problem}")
     if InstrKind.FREE.value in kinds:
-        check_frees(module)
+        # Each program's shape, worked out once for both checks (a walk over each of a thousand ranks' programs).
+        shapes = [program_shape(module, program) for program in module.programs]
+        check_frees(module, shapes)
         if cluster:
-            check_memory(module, cluster)
+            check_memory(module, cluster, shapes)
     if kinds & {kind.value for kind in _LOWERED}:
         check_optimizer_steps(module)
 
@@ -326,15 +328,16 @@ def _buffer_key(instr: Instr) -> tuple[object, ...]:
     return ("grad" if instr.grad else "value", instr.value, instr.mb)
 
 
-def check_frees(module: Module) -> None:
-    """Every forward's activations, received value and received gradient is freed exactly once, after use."""
+def check_frees(module: Module, shapes: Sequence[tuple[object, ...]] | None = None) -> None:
+    """Every forward's activations, received value and received gradient is freed exactly once, after use. `shapes`:
+    each program's `program_shape`, where the caller has them."""
     touches = {s: _touches(s) for s in module.stages}
     passed: set[tuple[object, ...]] = set()
-    for program in module.programs:
+    for index, program in enumerate(module.programs):
         # Replicas and tensor-group members run one program on microbatches of their own (`program_shape`, which
         # peak memory shares too): what is freed, and when, depends only on which instructions name the same
         # microbatch, so a program of a shape that passed passes.
-        shape = program_shape(module, program)
+        shape = shapes[index] if shapes is not None else program_shape(module, program)
         if shape in passed:
             continue
         passed.add(shape)  # raised below where it does not pass
@@ -373,16 +376,26 @@ def _touches(stage: Stage) -> set[tuple[str, object]]:
 # ------------------------------------------------------------------------------------------ memory
 
 
-def check_memory(module: Module, cluster: str | ClusterSpec) -> None:
-    """Each rank's static peak fits its device; the error names the rank, the instruction and the overflow."""
+def check_memory(
+    module: Module, cluster: str | ClusterSpec, shapes: Sequence[tuple[object, ...]] | None = None
+) -> None:
+    """Each rank's static peak fits its device; the error names the rank, the instruction and the overflow. `shapes`:
+    each program's `program_shape`, where the caller has them: a rank's peak is that of its program's shape on top of
+    its stages' static bytes, so a rank of the shape, stages and device memory of one that fits fits."""
     spec = resolve_cluster(cluster) if isinstance(cluster, str) else cluster
     sizes = Sizes(module)
-    for program in module.programs:
+    fitted: set[tuple[object, ...]] = set()
+    for index, program in enumerate(module.programs):
         if program.attrs.device is None:
             continue
         capacity = spec.device(program.attrs.device).memory_bytes
+        alike = (shapes[index], tuple(hosted_stages(module, program)), capacity) if shapes is not None else None
+        if alike in fitted:
+            continue
         peak = program_peak(module, program, sizes)
         if peak.total <= capacity:
+            if alike is not None:
+                fitted.add(alike)
             continue
         at = _where(module, program, peak.index) if peak.index >= 0 else f"rank {program.rank} (static state alone)"
         raise VerifyError(

@@ -43,15 +43,12 @@ def independent_parts(
     caller's to join (`join`)."""
     parent = list(range(len(programs)))
     on_link: dict[int, int] = {}
-    send = InstrKind.SEND.value
     for rank, program in enumerate(programs):
         instrs = program.instrs
-        # Each peer once, and the collectives alone: a thousand ranks' programs are millions of instructions.
-        for kind, peer in set(zip(map(_KIND, instrs), map(_PEER, instrs), strict=True)):
-            if peer is None:
-                continue
-            if kind == send:
-                _link_ranks(parent, on_link, rank, route(rank, peer))
+        # Each peer once, and the collectives alone: a thousand ranks' programs are millions of instructions. A rank
+        # that only receives from a peer is given the links of a send to it too: a part may only grow by that.
+        for peer in set(map(_PEER, instrs)) - {None}:
+            _link_ranks(parent, on_link, rank, route(rank, peer))
             _union(parent, rank, peer)
         for instr in compress(instrs, map(_COLLECTIVE.__contains__, map(_KIND, instrs))):
             assert instr.group is not None
