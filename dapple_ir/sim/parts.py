@@ -9,11 +9,13 @@ nothing outside it.
 
 A part is a *copy* of an earlier one where an order-keeping map of its ranks onto the earlier part's takes every
 program onto the other's instruction by instruction (sends and receives to the mapped peers, collectives over the
-mapped group, every other instruction the same), every rank onto one of the same device kind, replica, stages,
-costs and start, and every link its flows cross onto a distinct link of the same bandwidth that the earlier
-part's matching flows cross, latencies and ring prices alike. Then the two parts' simulations make the very same
+mapped group, every other instruction the same), every rank onto one of the same device kind, replica, stages and
+costs, and every link its flows cross onto a distinct link of the same bandwidth that the earlier part's matching
+flows cross, latencies and ring prices alike. Then the two parts' simulations from time 0 make the very same
 floating-point operations in the very same order, and the copy's timeline is the earlier part's: the members of
-a tensor-parallel group, each with its own network card, are T such parts, simulated once (`_Simulator.predict`).
+a tensor-parallel group, each with its own network card, are T such parts, simulated once
+(`_Simulator.iteration_and_peak`, what `predict` runs). Without the devices and links (`meeting_parts`), the same
+check says which parts a check of the programs against each other (the deadlock check) need not run.
 """
 
 from __future__ import annotations
