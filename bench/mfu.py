@@ -24,11 +24,21 @@ CASES = {
     "7b": ("Llama-2-7B, seq 2048", "examples/llama.py:factory_7b", "4x8xH100", 64, 0.35),
     "70b": ("Llama-2-70B, seq 2048", "examples/llama.py:factory_70b", "8x8xH100", 512, 0.40),
 }
-#: (label, precision, zero) of each row.
-SETTINGS = (("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16 + ZeRO-1", "bf16", "auto"))
+#: (label, precision, zero, recompute) of each row: the last two show what recomputing only where a stage needs it
+#: (`auto`, the planner's default) buys over recomputing every stage, and that without it no plan fits at all.
+SETTINGS = (
+    ("fp32", "fp32", "none", "auto"),
+    ("bf16", "bf16", "none", "auto"),
+    ("bf16 + ZeRO-1", "bf16", "auto", "auto"),
+    ("bf16 + ZeRO-1, recompute all", "bf16", "auto", "all"),
+    ("bf16 + ZeRO-1, recompute none", "bf16", "auto", "none"),
+)
+LABEL = max(len(label) for label, *_ in SETTINGS)
 
 
-def plan_row(module: object, cluster: str, global_batch: int, precision: str, zero: str) -> tuple[str, float, str]:
+def plan_row(
+    module: object, cluster: str, global_batch: int, precision: str, zero: str, recompute: str
+) -> tuple[str, float, str]:
     """(plan, predicted iteration s, utilization line) of one setting."""
     from dapple_ir.analysis.mfu import utilization
     from dapple_ir.api import compile as compile_plan
@@ -40,6 +50,7 @@ def plan_row(module: object, cluster: str, global_batch: int, precision: str, ze
         global_batch=global_batch,
         precision=precision,
         zero=zero,
+        recompute=recompute,
     )
     iteration = float(result.plan["predicted_iteration_s"])
     use = utilization(result.module, resolve_cluster(cluster))
@@ -49,7 +60,9 @@ def plan_row(module: object, cluster: str, global_batch: int, precision: str, ze
     attrs = result.module.attrs
     sharded = f" ({zeroed} ZeRO-1)" if zeroed else ""
     replicas = ",".join(str(s.replicas) for s in stages)
-    plan = f"{len(stages)} stages, replicas {replicas}{sharded}, M={attrs.microbatches} {attrs.schedule}"
+    degrees = sorted({s.attrs.tp or 1 for s in stages})
+    tp = f" T={','.join(map(str, degrees))}" if degrees != [1] else ""
+    plan = f"{len(stages)} stages, replicas {replicas}{sharded}{tp}, M={attrs.microbatches} {attrs.schedule}"
     return plan or chosen, iteration, f"{100 * use.mfu(iteration):.1f} % (floor {use.floor_s:.3f} s)"
 
 
@@ -59,22 +72,28 @@ def main() -> int:
     parser.add_argument("--cases", default="7b,70b", help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from dapple_ir.errors import PlanError
     from dapple_ir.frontend.spec_loader import capture_spec
 
     started = time.time()
-    print(f"{'model':<24} {'cluster':<9} {'batch':>5}  {'setting':<14} {'plan':<52} {'iteration s':>11}  MFU")
+    print(f"{'model':<24} {'cluster':<9} {'batch':>5}  {'setting':<{LABEL}} {'plan':<52} {'iteration s':>11}  MFU")
     for key in args.cases.split(","):
         name, spec, cluster, global_batch, target = CASES[key]
         if time.time() - started > args.budget:
             print(f"{name:<24} {cluster:<9} {global_batch:>5}  not run: past the {args.budget:.0f} s budget")
             continue
         module = capture_spec(str(ROOT / spec.split(":")[0]) + ":" + spec.split(":")[1], device="meta")
-        for label, precision, zero in SETTINGS:
+        for label, precision, zero, recompute in SETTINGS:
+            head = f"{name:<24} {cluster:<9} {global_batch:>5}  {label:<{LABEL}}"
             if time.time() - started > args.budget:
-                print(f"{name:<24} {cluster:<9} {global_batch:>5}  {label:<14} not run: past the budget")
+                print(f"{head} not run: past the budget")
                 continue
-            plan, iteration, use = plan_row(module, cluster, global_batch, precision, zero)
-            print(f"{name:<24} {cluster:<9} {global_batch:>5}  {label:<14} {plan:<52} {iteration:>11.3f}  {use}")
+            try:
+                plan, iteration, use = plan_row(module, cluster, global_batch, precision, zero, recompute)
+            except PlanError as exc:  # recompute none: the memory advice says where it would fit
+                print(f"{head} no plan: {' '.join(str(exc).split())}")
+                continue
+            print(f"{head} {plan:<52} {iteration:>11.3f}  {use}")
         print(f"{'':<24} issue 44's target for this case: {100 * target:.0f} % MFU")
     print(
         "\nMFU = model FLOPs per iteration / (predicted iteration x devices x matmul peak at the plan's precision);"
