@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from dapple_ir.analysis.peak_memory import Sizes, program_peak
+from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Instr, InstrKind, Module, Op, RankProgram, Stage, scale
 from dapple_ir.ir.scale import collector_paused
@@ -46,11 +46,24 @@ class InsertFrees(Pass):
             # Programs that differ only in peers and groups (a tensor group's members) get their frees at the same
             # places: found once per program of the same instructions otherwise (`_FREES_READ`).
             made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]] = {}
+            # Programs given the same frees differ from each other only in what `program_shape` leaves out (peers,
+            # groups) and reads apart (rows, replica): where those match too, the shape is worked out once.
+            shapes: dict[tuple[object, ...], tuple[object, ...]] = {}
+            keys: list[tuple[object, ...] | None] = []
             for k, program in enumerate(module.programs):
-                program.instrs = taken[k] if taken is not None else _with_frees(program, readers, definers, made)
+                if taken is not None:
+                    program.instrs = taken[k]
+                    keys.append(None)
+                    continue
+                program.instrs, points = _with_frees(program, readers, definers, made)
+                same = (id(points), program.attrs.replica, tuple(map(_ROWS, program.instrs)))
+                key = shapes.get(same)
+                if key is None:
+                    key = shapes[same] = program_shape(module, program)
+                keys.append(key)
             sizes = Sizes(module)
-            for program in module.programs:
-                program.attrs.peak_bytes = program_peak(module, program, sizes).total
+            for program, key in zip(module.programs, keys, strict=True):
+                program.attrs.peak_bytes = program_peak(module, program, sizes, key).total
 
 
 def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:
@@ -69,7 +82,9 @@ def _with_frees(
     readers: dict[Op, list[Stage]],
     definers: dict[Op, Stage],
     made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]],
-) -> list[Instr]:
+) -> tuple[list[Instr], list[tuple[int, list[Instr]]]]:
+    """The program's instructions with its frees, and where those go (`made`'s entry: shared by the programs whose
+    instructions `_FREES_READ` reads alike, which get the very same free instructions)."""
     free_kind = InstrKind.FREE  # kinds compare by identity: hashing an enum member runs Python code
     instrs = [i for i in program.instrs if i.kind is not free_kind]
     key = tuple(map(_FREES_READ, instrs))
@@ -83,11 +98,12 @@ def _with_frees(
         out += frees
         start = at
     out += instrs[start:]
-    return out
+    return out, points
 
 
 #: What of each instruction decides where the frees go: not the peers, rows or groups.
 _FREES_READ = attrgetter("kind._value_", "stage", "value", "grad", "mb")
+_ROWS = attrgetter("rows")
 
 
 def _free_points(

@@ -296,8 +296,8 @@ class _Shape:
     """Where they are first live (-1 for a program without allocations)."""
 
 
-def _shape(module: Module, program: RankProgram, sizes: Sizes) -> _Shape:
-    key = program_shape(module, program)
+def _shape(module: Module, program: RankProgram, sizes: Sizes, key: tuple[object, ...] | None = None) -> _Shape:
+    key = program_shape(module, program) if key is None else key
     found = sizes.shapes.get(key)
     if found is None:
         base = _changes(module, program, sizes)
@@ -457,11 +457,14 @@ def post_headroom(program: RankProgram, sizes: Sizes) -> float:
     return most
 
 
-def program_peak(module: Module, program: RankProgram, sizes: Sizes | None = None) -> RankPeak:
-    """The rank's static bytes and its live bytes at the worst instruction (`sizes`: shared across ranks)."""
+def program_peak(
+    module: Module, program: RankProgram, sizes: Sizes | None = None, shape_key: tuple[object, ...] | None = None
+) -> RankPeak:
+    """The rank's static bytes and its live bytes at the worst instruction (`sizes`: shared across ranks;
+    `shape_key`: the program's `program_shape`, where the caller has it)."""
     sizes = sizes or Sizes(module)
     static = sizes.static_of(hosted_stages(module, program))
-    shape = _shape(module, program, sizes)
+    shape = _shape(module, program, sizes, shape_key)
     return RankPeak(program.rank, static, shape.live, shape.index)
 
 

@@ -11,7 +11,7 @@ Deadlock freedom and memory fit are whole-plan properties checked by the `verify
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
+from itertools import repeat
 from operator import attrgetter, is_
 
 from dapple_ir.errors import VerifyError
@@ -33,6 +33,9 @@ from dapple_ir.ir.printer import Namer, format_type, print_module
 from dapple_ir.ir.ranges import attr_problems, batch_problem, stage_cycle, type_problem
 
 _CONTEXT_LINES = 3
+
+_Shapes = dict[tuple[object, ...], tuple[int, tuple[int, ...]]]
+"""`_Verifier.may_break`'s program shapes: each one's first rank and the indices of its sharded collectives."""
 
 
 def verify_module(module: Module) -> None:
@@ -216,7 +219,8 @@ class _Verifier:
     def check_programs(self) -> None:
         n = len(self.module.programs)
         on_device: dict[int, str] = {}
-        shapes: dict[tuple[object, ...], int] = {}
+        shapes: _Shapes = {}
+        stage_names = {s.name for s in self.stage_set}
         for index, program in enumerate(self.module.programs):
             device = program.attrs.device
             if device is not None and device in on_device:
@@ -232,7 +236,7 @@ class _Verifier:
                     f"program number {index}; programs are listed in rank order"
                 )
             for stage_name in program.attrs.stages or ():
-                if stage_name not in {s.name for s in self.stage_set}:
+                if stage_name not in stage_names:
                     raise VerifyError(
                         f"verify: program @{program.name} hosts stage @{stage_name}, which is not declared"
                     )
@@ -243,14 +247,15 @@ class _Verifier:
                 if problem:
                     raise self.instr_error(program, i, problem)
 
-    def may_break(self, program: RankProgram, rank: int, n_ranks: int, shapes: dict[tuple[object, ...], int]) -> bool:
+    def may_break(self, program: RankProgram, rank: int, n_ranks: int, shapes: _Shapes) -> bool:
         """Whether an instruction of `program` may have a problem (`instr_problem`); False only where none has.
 
         Replicas of a stage and the members of a tensor group run programs of one shape: the same kinds, stages,
         values and parameters, the same fields unset, on microbatches, peers and groups of their own. What
         `instr_problem` finds from the shape alone is found on the first program of each shape, walked whole; the
         others are held to it by what differs: their microbatches, peers and groups, each as a set, and (a sharded
-        collective's group is as large as its stage's replicas) their sharded collectives one by one."""
+        collective's group is as large as its stage's replicas) their sharded collectives one by one. `shapes`: each
+        shape's first rank and where its sharded collectives are (the kinds are part of the shape: found once)."""
         if not program.instrs:
             return False
         kinds, stages, values, params, mbs, peers, groups = zip(*map(_FIELDS, program.instrs), strict=True)
@@ -263,11 +268,14 @@ class _Verifier:
             return True
         if any(rank not in g or min(g) < 0 or max(g) >= n_ranks for g in set(groups) - {None}):
             return True
-        unset = (tuple(map(_is_none, mbs)), tuple(map(_is_none, peers)), tuple(map(_is_none, groups)))
-        if shapes.setdefault((kinds, stages, values, params, unset), rank) == rank:
+        unset = (_nones(mbs), _nones(peers), _nones(groups))
+        key = (kinds, stages, values, params, unset)
+        first = shapes.get(key)
+        if first is None:
+            shapes[key] = (rank, tuple(i for i, kind in enumerate(kinds) if kind in _SHARD_VALUES))
             return True  # the first program of its shape
-        sharded = (i for i, kind in enumerate(kinds) if kind in _SHARD_VALUES)
-        return any(self.shard_problem(program.instrs[i], rank, n_ranks) for i in sharded)
+        instrs = program.instrs
+        return any(self.shard_problem(instrs[i], rank, n_ranks) for i in first[1])
 
     def instr_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
         kind = instr.kind
@@ -334,7 +342,11 @@ class _Verifier:
 #: What `may_break` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
 _FIELDS = attrgetter("kind._value_", "stage", "value", "param", "mb", "peer", "group")
 _SHARD_VALUES = frozenset({InstrKind.REDUCE_SCATTER.value, InstrKind.ALL_GATHER.value})
-_is_none = partial(is_, None)
+
+
+def _nones(field: tuple[object, ...]) -> tuple[bool, ...]:
+    """Which of a field's entries are unset."""
+    return tuple(map(is_, field, repeat(None)))
 
 
 def _problems(first: str | None, rest: Iterator[str]) -> Iterator[str]:
