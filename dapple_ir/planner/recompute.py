@@ -185,7 +185,9 @@ def _greedy(work: list[_StageWork], layers: int, bound: float) -> tuple[list[int
 
 class _StageWork:
     """Stage k of a candidate at other cuts: its work per iteration over [lo, hi) without recomputation where that
-    fits, else with it (infinite where neither fits), as `cost_model.stage_price` prices the busy part."""
+    fits, else with it (infinite where neither fits), as `cost_model.stage_price` prices the busy part but for the
+    host's work, taken as two instructions with one message per neighbour (a constant per stage: it moves no cut that
+    a change of layers would not; `evaluate` prices the re-cut candidate exactly)."""
 
     def __init__(self, problem: Problem, cand: Candidate, k: int, b: int, held: int) -> None:
         st = cand.stages[k]
