@@ -14,7 +14,7 @@ from dapple_ir.planner.baselines import (
     time_balanced_partition,
     uniform_partition,
 )
-from dapple_ir.planner.cost_model import Problem
+from dapple_ir.planner.cost_model import Problem, microbatch_choices
 
 
 def _problem(fwd: list[float], grads: list[float], cuts: list[float], cluster: str = "1x2xV100-16GB") -> Problem:
@@ -64,3 +64,22 @@ def test_data_parallel_uses_every_device() -> None:
     cand, est = found
     assert len(cand.stages) == 1 and cand.stages[0].devices == tuple(range(8))
     assert est.fits
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "devices", "largest"),
+    [
+        (512, 64, 512),  # at most 8 per device and 1,024: 512 itself
+        (1024, 8, 64),  # 8 per device
+        (64, 1, 16),  # at least 16
+        (3072, 384, 3072),  # past 1,024: up to 16 per device, one sample each (Megatron's 1T)
+        (2160, 480, 2160),  # 310.1B at T=4: Megatron's 2,160 microbatches
+        (2160, 120, 1080),  # 16 per device is 1,920: the largest divisor of 2,160 below it
+    ],
+)
+def test_microbatch_choices_end_at_the_largest_divisor_under_the_cap(
+    global_batch: int, devices: int, largest: int
+) -> None:
+    found = microbatch_choices(global_batch, devices)
+    assert found[-1] == largest
+    assert all(global_batch % m == 0 for m in found) and found == sorted(found)

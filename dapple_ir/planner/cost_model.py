@@ -636,9 +636,7 @@ def microbatch_choices(global_batch: int, devices: int, limit: int = 4) -> list[
     (at most 1024, and at least 16 per device where memory needs small microbatches). A global batch past
     1024 (a job of thousands of devices) may go to 16 per device, up to microbatches of one sample: what
     Megatron-LM's table runs (310.1B: 2,160 microbatches, 9 per tensor group), and at 1T the only size that fits."""
-    cap = min(global_batch, max(8 * devices, 16), 1024)
-    if global_batch > 1024:
-        cap = min(global_batch, 16 * devices)
+    cap = min(global_batch, 16 * devices) if global_batch > 1024 else min(global_batch, max(8 * devices, 16), 1024)
     divisors = [m for m in range(cap, 0, -1) if global_batch % m == 0]
     # The largest divisor, then roughly halving: 96 -> 96, 48, 24, 12; 100 -> 100, 50, 25, 10.
     chosen = [divisors[0]]

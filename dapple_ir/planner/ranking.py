@@ -151,7 +151,7 @@ def candidates(problem: Problem, req: Request, propose: Proposer = gather) -> tu
     if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES:
         pool = recompute_variants(problem, req, schedule, pool)
     pool = zero_variants(problem, req, pool)
-    if req.recompute != "none" and schedule in RECOMPUTE_SCHEDULES and not req.cuts:
+    if not req.cuts:
         pool = rebalanced(problem, req, pool)
     # Recomputation's own searches propose cuts of their own: with pinned cuts, only those stay.
     return schedule, unique([s for s in pool if keeps_cuts(s.cand, req)])

@@ -200,10 +200,19 @@ class _StageWork:
         neighbours = (k > 0) + (k < len(cand.stages) - 1)
         self.host = problem.host_s(st.devices, 2, neighbours)
         self.stages_after = len(cand.stages) - k
+        self.splits = cand.splits(k)
+        # The bisection asks for the same ranges again at every bound: each priced once.
+        self.known: dict[tuple[int, int], tuple[float, bool]] = {}
 
     def least(self, lo: int, hi: int) -> tuple[float, bool]:
         """(work seconds, recomputes?) of layers [lo, hi) on this stage."""
-        if self.cand.splits(self.k) and not self.problem.can_split(lo, hi):
+        found = self.known.get((lo, hi))
+        if found is None:
+            found = self.known[(lo, hi)] = self._least(lo, hi)
+        return found
+
+    def _least(self, lo: int, hi: int) -> tuple[float, bool]:
+        if self.splits and not self.problem.can_split(lo, hi):
             return math.inf, False
         fwd = self.pf[hi] - self.pf[lo]
         base = fwd + self.pb[hi] - self.pb[lo] + self.host

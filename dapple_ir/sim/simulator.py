@@ -93,7 +93,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from itertools import compress, count, repeat
+from itertools import accumulate, compress, count, repeat
 from operator import attrgetter, is_
 from pathlib import Path
 from typing import NamedTuple
@@ -794,11 +794,7 @@ class _Simulator:
                 static = self.sizes.static_of(self.hosted[r])
                 key = (id(changes), static)
                 if key not in peaks:
-                    level = peak = static
-                    for _i, change in changes:
-                        level += change
-                        peak = max(peak, level)
-                    peaks[key] = peak
+                    peaks[key] = max(accumulate((change for _i, change in changes), initial=static))
         return iteration, max(peaks.values(), default=0.0)
 
     def prepare(self, ranks: list[int]) -> None:
