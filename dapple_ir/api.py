@@ -17,6 +17,7 @@ from dapple_ir import plan_dir
 from dapple_ir.analysis.experts import expert_lines
 from dapple_ir.analysis.mfu import model_flops, utilization
 from dapple_ir.analysis.precision import check_precision, default_precision, precision_of
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, OpKind
 from dapple_ir.pass_manager import PassManager, build_pipeline
@@ -131,8 +132,10 @@ def compile(
     if out_dir is not None:
         plan_dir.check_output(Path(out_dir), force=force)
     say: Callable[[str], None] = log or (lambda _m: None)
+    ctx = PassContext(cluster=cluster, log=say)
+    resolved = ctx.cluster_spec(cluster)  # read once, here: capture, the passes and the report all take this one
     start = time.perf_counter()
-    module, spec_text = _load(model_spec, profile_batch, cluster)
+    module, spec_text = _load(model_spec, profile_batch, resolved)
     say(f"capture: {len(module.ops)} ops in {time.perf_counter() - start:.2f} s")
     from dapple_ir.ir.structure import structure_hash
 
@@ -140,10 +143,9 @@ def compile(
     module.attrs.global_batch = global_batch
     module.attrs.optimizer = optimizer
     module.attrs.cluster = cluster
-    ctx = PassContext(cluster=cluster, log=say)
     options = dict(manager or {})
     profile = module.attrs.capture_method == "profile"
-    chosen = _precision(precision, cluster, profile)
+    chosen = _precision(precision, resolved, profile)
     text = pipeline or default_pipeline(
         profile=profile,
         planner=planner,
@@ -165,7 +167,9 @@ def compile(
     plan = plan_json(module, spec_text, model_hash, optimizer)
     planner_lines = ctx.reports.get("plan", [])
     explain_lines = [*planner_lines, *expert_lines(module)]
-    report = report_text(module, plan, explain_lines if explain else planner_lines[:8], mfu=explain)
+    report = report_text(
+        module, plan, explain_lines if explain else planner_lines[:8], mfu=resolved if explain else None
+    )
     result = CompileResult(module, plan, report, explain_lines, Path(out_dir) if out_dir else None, text)
     if out_dir is not None:
         start = time.perf_counter()
@@ -207,7 +211,7 @@ def _check_request(
         )
 
 
-def _precision(given: str | None, cluster: str, profile: bool) -> str:
+def _precision(given: str | None, cluster: ClusterSpec, profile: bool) -> str:
     """The precision a plan trains in: the one given, else the cluster's device's default; a profile's
     times were measured, so it plans at the precision it was measured in (fp32)."""
     if profile and given not in (None, "fp32"):
@@ -217,13 +221,10 @@ def _precision(given: str | None, cluster: str, profile: bool) -> str:
         )
     if profile or given is not None:
         return given or "fp32"
-    from dapple_ir.cluster.toml_file import resolve_cluster
-
-    spec = resolve_cluster(cluster)
-    return default_precision(spec.device(0).peak_flops)
+    return default_precision(cluster.device(0).peak_flops)
 
 
-def _load(model_spec: str | Module, profile_batch: int | None, cluster: str) -> tuple[Module, str]:
+def _load(model_spec: str | Module, profile_batch: int | None, cluster: ClusterSpec) -> tuple[Module, str]:
     if isinstance(model_spec, Module):
         return model_spec, model_spec.attrs.source or model_spec.name
     from dapple_ir.frontend.spec_loader import capture_spec
@@ -271,8 +272,9 @@ def plan_json(module: Module, spec: str, model_hash: str, optimizer: str) -> dic
     }
 
 
-def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu: bool = False) -> str:
-    """report.txt: the plan in a few lines; with `mfu` (`--explain`) its model FLOPs, predicted MFU and floor."""
+def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu: ClusterSpec | None = None) -> str:
+    """report.txt: the plan in a few lines; with `mfu`, the plan's resolved cluster (`--explain`), its model FLOPs,
+    predicted MFU and floor on it."""
     gb = GB
     lines = [
         f"model {plan['model_spec']} on {plan['cluster']}: global batch {plan['global_batch']} = "
@@ -280,8 +282,8 @@ def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu
         f"{plan['ranks']} ranks, precision {precision_of(module)}",
         f"predicted iteration {plan['predicted_iteration_s']:.4f} s",
     ]
-    if mfu:
-        lines += _mfu_lines(module, plan["predicted_iteration_s"])
+    if mfu is not None and model_flops(module):
+        lines += utilization(module, mfu).lines(plan["predicted_iteration_s"])
     peaks = plan["peak_bytes"]
     for stage in module.stages:
         devices = list(stage.attrs.devices or ())
@@ -294,15 +296,6 @@ def report_text(module: Module, plan: dict[str, Any], explain: list[str], *, mfu
     if explain:
         lines += ["", *explain]
     return "\n".join(lines) + "\n"
-
-
-def _mfu_lines(module: Module, iteration_s: float | None) -> list[str]:
-    """The report's MFU lines, where the plan names a cluster and its ops carry FLOP counts."""
-    if not module.attrs.cluster or not model_flops(module):
-        return []
-    from dapple_ir.cluster.toml_file import resolve_cluster
-
-    return utilization(module, resolve_cluster(module.attrs.cluster)).lines(iteration_s)
 
 
 def write_plan_dir(result: CompileResult, out: Path, *, runnable: bool) -> None:

@@ -37,7 +37,6 @@ from dapple_ir.analysis.precision import (
 )
 from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec, DeviceKind
-from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError, DappleError
 from dapple_ir.ir import Module, Op, OpKind
 from dapple_ir.planner.cost_model import op_roofline
@@ -134,7 +133,7 @@ class AnnotateCost(Pass):
                 "give --cluster (e.g. --cluster 1x8xV100-16GB or a TOML file), or measure with `dapple profile` "
                 "and use annotate-cost{source=profile.json}"
             )
-        return resolve_cluster(name)
+        return ctx.cluster_spec(name)
 
     def known_kind(self, ctx: PassContext, module: Module) -> DeviceKind | None:
         """The device kind whose per-call cost stays fixed when times move to another batch, where

@@ -233,3 +233,28 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         load_cluster_toml(_write(tmp_path, "nodes = = 2\n"))
     with pytest.raises(ClusterError, match="does not exist"):
         resolve_cluster(str(tmp_path / "none.toml"))
+
+
+def test_compile_and_simulate_read_a_cluster_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One physics reads one cluster: a compile resolves its cluster once (capture's device, the precision, the
+    costs, the planner, the checks and the report all take that one), and so does `dapple simulate`."""
+    from dapple_ir import api
+    from dapple_ir.cli import main
+    from dapple_ir.cluster import toml_file
+
+    path = _write(tmp_path, cluster_to_toml(resolve_cluster("1x2xcpu")))
+    reads: list[str] = []
+    real = toml_file.load_cluster_toml
+
+    def counted(file: str) -> ClusterSpec:
+        reads.append(file)
+        return real(file)
+
+    monkeypatch.setattr(toml_file, "load_cluster_toml", counted)
+    mlp = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py") + ":factory"
+    result = api.compile(mlp, cluster=path, global_batch=8, explain=True, out_dir=tmp_path / "plan")
+    assert reads == [path]
+    assert "MFU" in result.report  # the report's MFU lines priced on the one resolved cluster
+    reads.clear()
+    assert main(["simulate", str(tmp_path / "plan"), "--no-picture"]) == 0
+    assert reads == [path]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dapple_ir import plan_dir
 from dapple_ir.errors import DappleError
 from dapple_ir.ir import Module
+
+if TYPE_CHECKING:
+    from dapple_ir.cluster.spec import ClusterSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -57,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple_ir.cluster.toml_file import resolve_cluster
     from dapple_ir.sim.drawing import draw_timeline
     from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, simulate
     from dapple_ir.sim.trace import from_simulation, overlay, read_trace, write_trace
@@ -65,16 +70,19 @@ def run(args: argparse.Namespace) -> int:
     if not plan.exists():
         raise DappleError(f"plan {plan} does not exist; give a plan directory from `dapple compile` or an IR file")
     fraction = args.backward_input_fraction
+    module = plan_dir.read_module(plan)
+    named = args.cluster or module.attrs.cluster
+    cluster = resolve_cluster(named) if named else None  # read once: the simulation and the MFU lines take this one
     result = simulate(
-        plan,
-        cluster=args.cluster,
+        module,
+        cluster=cluster,
         backward_input_fraction=BACKWARD_INPUT_FRACTION if fraction is None else fraction,
         steady=args.steady,
     )
     out = Path(args.output) if args.output else (plan if plan.is_dir() else plan.parent)
     out.mkdir(parents=True, exist_ok=True)
     print(result.summary())
-    for line in _mfu_lines(result.module, args.cluster or result.module.attrs.cluster, result.iteration_s):
+    for line in _mfu_lines(result.module, cluster, result.iteration_s):
         print(line)
     if args.steady:
         print("steady state: the iteration is the period from one step's end to the next's on the last rank")
@@ -98,11 +106,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mfu_lines(module: Module, cluster: str | None, iteration_s: float) -> list[str]:
+def _mfu_lines(module: Module, cluster: ClusterSpec | None, iteration_s: float) -> list[str]:
     """Model FLOPs, predicted MFU and the hardware floor, where the cluster is known and the ops carry FLOPs."""
     from dapple_ir.analysis.mfu import model_flops, utilization
-    from dapple_ir.cluster.toml_file import resolve_cluster
 
-    if not cluster or not model_flops(module):
+    if cluster is None or not model_flops(module):
         return []
-    return utilization(module, resolve_cluster(cluster)).lines(iteration_s)
+    return utilization(module, cluster).lines(iteration_s)

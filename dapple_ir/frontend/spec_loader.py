@@ -7,8 +7,13 @@ profile starts in well under a second; a Python spec (`file.py:factory`) is capt
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dapple_ir.frontend.profile_import import import_profile_spec, is_profile_spec
 from dapple_ir.ir import Module
+
+if TYPE_CHECKING:
+    from dapple_ir.cluster.spec import ClusterSpec
 
 
 def capture_spec(
@@ -19,15 +24,15 @@ def capture_spec(
     seed: int = 0,
     profile_batch: int | None = None,
     notes: list[str] | None = None,
-    cluster: str | None = None,
+    cluster: str | ClusterSpec | None = None,
 ) -> Module:
     """The IR of the model a spec names: imported from a profile, or captured from its factory.
 
     The capture's notes (a method that failed before another worked, ops left without costs) are
-    appended to `notes` when given. For a plan on `cluster`, the model's code sees its tensors on that
-    cluster's device type while it is traced (`trace_device.trace_device_for`), and where this machine has
-    that device, every op of the graph is tried on it once (`device_support`): a model the device cannot
-    run is refused here.
+    appended to `notes` when given. For a plan on `cluster` (a resolved spec, or the text that names
+    one), the model's code sees its tensors on that cluster's device type while it is traced
+    (`trace_device.trace_device_for`), and where this machine has that device, every op of the graph
+    is tried on it once (`device_support`): a model the device cannot run is refused here.
     """
     if is_profile_spec(spec):
         return import_profile_spec(spec, profile_batch)

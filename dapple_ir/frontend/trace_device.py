@@ -25,6 +25,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import ClusterError
 
@@ -61,31 +62,36 @@ def _install() -> bool:
     return True
 
 
-def trace_device_for(cluster: str) -> str | None:
-    """The device type capture presents for a plan on `cluster`: `cpu` when its devices are CPUs, else None
-    (meta, as torch makes it; a GPU's code path is the one a model takes off the CPU, and a capture for a GPU
-    cluster must not depend on whether the planning machine has one). Compile and the runtime both ask this
-    of the plan's cluster, so they capture the same graph. A cluster file no longer there counts as not CPU."""
+def trace_device_for(cluster: str | ClusterSpec) -> str | None:
+    """The device type capture presents for a plan on `cluster` (a spec, or the shorthand or TOML path that names
+    one): `cpu` when its devices are CPUs, else None (meta, as torch makes it; a GPU's code path is the one a model
+    takes off the CPU, and a capture for a GPU cluster must not depend on whether the planning machine has one).
+    Compile and the runtime both ask this of the plan's cluster, so they capture the same graph. A cluster file no
+    longer there counts as not CPU."""
+    spec = _spec(cluster)
+    if spec is None:
+        return None
+    return "cpu" if spec.node_kinds[0].name.lower().startswith("cpu") else None
+
+
+def device_here_for(cluster: str | ClusterSpec) -> str | None:
+    """The device type a plan on `cluster` trains on, where this machine has one (to try its ops on); else None."""
+    spec = _spec(cluster)
+    if spec is None:
+        return None
+    if trace_device_for(spec) == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _spec(cluster: str | ClusterSpec) -> ClusterSpec | None:
+    """`cluster` resolved, where it is text; None where it names no readable cluster."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
     try:
-        kind = resolve_cluster(cluster).node_kinds[0].name
+        return resolve_cluster(cluster)
     except (ClusterError, OSError):
         return None
-    return "cpu" if kind.lower().startswith("cpu") else None
-
-
-def device_here_for(cluster: str) -> str | None:
-    """The device type a plan on `cluster` trains on, where this machine has one (to try its ops on); else None."""
-    if trace_device_for(cluster) == "cpu":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() and _is_known(cluster) else None
-
-
-def _is_known(cluster: str) -> bool:
-    try:
-        resolve_cluster(cluster)
-    except (ClusterError, OSError):
-        return False
-    return True
 
 
 @contextlib.contextmanager

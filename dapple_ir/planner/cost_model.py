@@ -75,11 +75,9 @@ from dataclasses import dataclass
 
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
-from dapple_ir.ir import InstrKind
 from dapple_ir.pricing.layers import Problem, op_roofline, problem_from_module, roofline_ops
-from dapple_ir.pricing.pipeline import in_flight, replica_in_flight, stage_step
+from dapple_ir.pricing.pipeline import in_flight, interleaved_held, replica_in_flight, stage_step
 from dapple_ir.pricing.traffic import busiest, cut_crossings, cut_s
-from dapple_ir.schedules import ScheduleRequest, build_schedule
 
 # The pricing layer's names the planner's callers know from here.
 __all__ = ["Problem", "in_flight", "op_roofline", "problem_from_module", "roofline_ops"]
@@ -507,7 +505,7 @@ def _evaluate_interleaved(problem: Problem, cand: Candidate) -> Estimate:
     # Between rounds a group waits for its first microbatch to come round the whole ring of groups.
     ring_s = (cand.virtual - 1) * 2 * sum(cut_s)
     cut_s[p - 1] = 0.0
-    held = interleaved_held(cand, act)
+    held = interleaved_held(cand.replicas, cand.microbatches, cand.virtual, cand.groups, act)
     g_time, h = -math.inf, -math.inf
     busies = [0.0] * p
     # The order moves in rounds: every group runs chunk c of P microbatches before chunk c + 1. With
@@ -547,22 +545,6 @@ def _held_per_microbatch(problem: Problem, lo: int, hi: int, b: int, recompute: 
     if recompute:
         return received_bytes(problem, lo, b) + problem.checkpoint_bytes(lo, hi, b)
     return (problem.pa[hi] - problem.pa[lo]) * b / problem.cost_batch
-
-
-def interleaved_held(cand: Candidate, act: list[float]) -> list[float]:
-    """Per device group, the most activation bytes a replica holds at once under the interleaved
-    order: forwards done whose backward has not run yet, each stage's at its own size (`act`, one
-    microbatch). The busiest replica of a group (replica 0) runs the order restricted to its share."""
-    request = ScheduleRequest(cand.replicas, cand.microbatches, cand.virtual)
-    orders = build_schedule("interleaved", request)
-    held = []
-    for g in range(cand.groups):
-        live, peak = 0.0, 0.0
-        for work in orders[(g, 0)]:
-            live += act[work.stage] if work.kind is InstrKind.FORWARD else -act[work.stage]
-            peak = max(peak, live)
-        held.append(peak)
-    return held
 
 
 def _add(loads: dict[int, float], crossings: Mapping[int, float], nbytes: float) -> None:

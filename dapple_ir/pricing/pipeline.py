@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dapple_ir.schedules import ScheduleRequest, warmups
+from dapple_ir.ir import InstrKind
+from dapple_ir.schedules import ScheduleRequest, build_schedule, warmups
 
 #: Share of a stage's compute on the first microbatch's path through the pipeline: zb-h1 defers the weight
 #: gradient (about half the backward) into bubbles, interleaving halves each virtual stage.
@@ -41,7 +42,9 @@ BACK_SHARE = {"zb-h1": 0.5}
 def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     """Microbatches whose activations a replica holds at once, and the forwards it runs before its first
     backward; `stages_after` counts itself. GPipe runs them all; 1F1B (and zb-h1) DAPPLE's early backward,
-    min(S - s, M); interleaved holds twice that (its chunks' warm-up). Checked against the orders the schedules
+    min(S - s, M). Interleaved: twice 1F1B's, a count per stage for where one is priced alone (memory advice, a
+    one-chunk interleaved candidate); the estimate of a V-chunk plan walks the order instead (`interleaved_held`),
+    and the two disagree (one stage: 2 here, 1 in the order). Checked against the orders the schedules
     build (`tests/test_pricing.py`): exact for gpipe, and for 1f1b wherever each replica keeps S - s in flight
     (`schedules.warmups`); where the stage before warms up with fewer, which more replicas after fewer can cause, a
     replica holds fewer (the rule is then an upper bound on its memory, and the pipeline recursion sees more overlap
@@ -51,6 +54,24 @@ def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     if schedule == "interleaved":
         return min(per_replica, 2 * stages_after)
     return min(per_replica, stages_after)
+
+
+def interleaved_held(
+    replicas: Sequence[int], microbatches: int, virtual: int, groups: int, act: Sequence[float]
+) -> list[float]:
+    """Per device group, the most activation bytes a replica holds at once under the interleaved order: forwards
+    done whose backward has not run yet, each stage's at its own size (`act`, one microbatch), walked on the order
+    the schedule builds. The busiest replica of a group (replica 0) runs the order restricted to its share. With
+    equal chunks it is never below 1f1b's `in_flight` on the same groups (`tests/test_pricing.py`)."""
+    orders = build_schedule("interleaved", ScheduleRequest(tuple(replicas), microbatches, virtual))
+    held = []
+    for g in range(groups):
+        live, peak = 0.0, 0.0
+        for work in orders[(g, 0)]:
+            live += act[work.stage] if work.kind is InstrKind.FORWARD else -act[work.stage]
+            peak = max(peak, live)
+        held.append(peak)
+    return held
 
 
 def replica_in_flight(schedule: str, replicas: Sequence[int], split: Sequence[bool], microbatches: int) -> list[int]:
