@@ -99,6 +99,44 @@ def test_segments_follow_the_blocks_and_keep_each_blocks_input(tmp_path: Path) -
         assert all(v.name.startswith("add") or v.attrs.module_path == "inp" for v in kept)
 
 
+SEQUENTIAL_MODEL = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def factory():
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(64, 64), nn.ReLU()]
+    return nn.Sequential(*layers), (torch.randn(8, 64),), F.mse_loss, (torch.randn(8, 64),)
+"""
+
+
+def test_an_nn_sequential_of_single_ops_reruns_whole_and_keeps_less_than_it_would_not_recomputing(
+    tmp_path: Path,
+) -> None:
+    """The children of an `nn.Sequential` (`0`, `1`, ...: one Linear or ReLU each) are indexed module paths but no
+    blocks: a checkpoint before each would keep every output, more than the stage holds without recomputing (the
+    MLP of bench/memory.py held 608 KiB recomputing against 384 KiB not). A recomputing stage of them is one segment,
+    keeping its inputs only. A block of two or more ops still starts a segment (the test above)."""
+    from dapple_ir.analysis.activation_checkpoints import blocks
+
+    out = tmp_path / "plan"
+    compile_plan(
+        _spec(tmp_path, "sequential", SEQUENTIAL_MODEL), cluster="1x2xcpu", global_batch=32, out_dir=out,
+        stages=2, schedule="1f1b", recompute="all", microbatches=4,
+    )  # fmt: skip
+    module = load_plan(out).module
+    assert {block_of(op) for op in module.ops} - {None}  # indexed paths are there, one op each
+    assert set(blocks(module.ops).values()) == {None}
+    assert layer_block_starts(module) == frozenset()
+    sizes = Sizes(module)
+    for stage in module.stages:
+        assert len(segments(module, stage)) == 1 and checkpoint_values(module, stage) == []
+        assert sizes.checkpointed(stage) < sizes.activation(stage)
+
+
 def test_planner_prices_checkpoints_as_a_direct_sum_over_segments(tmp_path: Path) -> None:
     """`Problem.checkpoint_bytes` and `rerun_bytes` against sums over the segments of every layer range."""
     module = load_plan(_compiled(tmp_path, stages=2, schedule="1f1b", recompute="all", microbatches=4)).module

@@ -6,8 +6,10 @@ forward segment by segment, last first, as Megatron-LM's full uniform recomputat
 `torch.utils.checkpoint` around each block do. A segment begins wherever a new *block* begins: the element of a
 module list or sequence the model repeats (`blocks.3`, `model.layers.12`, `transformer.h.0`: the shortest
 prefix of an op's module path that ends in an index), and where the ops outside any block (embedding, final norm,
-head, loss) begin or end. A model without such paths (an imported profile, a flat graph) has one segment: the
-whole stage reruns at once.
+head, loss) begin or end. An element that is a single op (the Linear and ReLU children of an `nn.Sequential`) is
+no block: a checkpoint before each op would keep every output, as much as the stage holds without recomputing, so
+such runs rerun as one segment (`blocks`). A model without such paths (an imported profile, a flat graph) has one
+segment: the whole stage reruns at once.
 
 What a recomputing stage holds per microbatch in flight, from its forward to its backward (`kept_values`): the
 model inputs it reads and every value made in one segment and read in a later one (a block's input, the mask
@@ -17,6 +19,9 @@ per layer (`layer_block_starts`); the runtime checkpoints the same segments (`ba
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
 
 from dapple_ir.analysis.module_cuts import FLOATING, LOSS_PATH
 from dapple_ir.analysis.stage_graph import batch_statistics
@@ -36,17 +41,26 @@ def block_of(op: Op) -> str | None:
     return None
 
 
-def _layer_block(ops: list[Op]) -> str | None:
+def blocks(ops: Iterable[Op]) -> dict[Op, str | None]:
+    """Each op's block (`block_of`), where its block holds more than one anchored op of `ops`; else None. A block of
+    one op is no block: checkpointing at its start keeps its input, so a run of them keeps every value (see the
+    module docstring)."""
+    found = {op: block_of(op) for op in ops}
+    sizes = Counter(block for op, block in found.items() if op.kind not in FLOATING)
+    return {op: block if sizes[block] > 1 else None for op, block in found.items()}
+
+
+def _layer_block(ops: list[Op], block: dict[Op, str | None]) -> str | None:
     """The block a coarsened layer belongs to: that of its first anchored op (floating ops join their users)."""
     first = next((op for op in ops if op.kind not in FLOATING), None)
-    return block_of(first) if first is not None else None
+    return block[first] if first is not None else None
 
 
 def block_boundaries(chain: list[Op], most: int) -> set[int]:
     """Positions k in a chain of ops where a new block begins (op k's block differs from op k-1's), for `coarsen` to
     keep as layer boundaries; none where there would be `most` or more (the layers could not stay that few)."""
-    blocks = [block_of(op) for op in chain]
-    found = {k for k in range(1, len(blocks)) if blocks[k] != blocks[k - 1]}
+    block = blocks(chain)
+    found = {k for k in range(1, len(chain)) if block[chain[k]] != block[chain[k - 1]]}
     return found if len(found) < most else set()
 
 
@@ -56,8 +70,9 @@ def layer_block_starts(module: Module) -> frozenset[int]:
     statistics a second time, so such a module's recomputing stages rerun whole (guarded around the rerun)."""
     if batch_statistics(module.ops):
         return frozenset()
-    blocks = [_layer_block(layer.ops) for layer in module.layers]
-    return frozenset(k for k in range(1, len(blocks)) if blocks[k] != blocks[k - 1])
+    block = blocks(module.ops)
+    starts = [_layer_block(layer.ops, block) for layer in module.layers]
+    return frozenset(k for k in range(1, len(starts)) if starts[k] != starts[k - 1])
 
 
 def segments(module: Module, stage: Stage) -> list[list[Op]]:
