@@ -27,6 +27,12 @@ class Verify(Pass):
     def apply(self, ctx: PassContext, module: Module) -> None:
         with collector_paused():  # a thousand ranks' programs are millions of instructions to walk
             verify_module(module)
+        self.apply_verified(ctx, module)
+
+    def apply_verified(self, ctx: PassContext, module: Module) -> None:
+        """`apply` on a module that `verify_module` has passed, changed by nothing since (as the pass manager hands it
+        on where it verifies after every pass): the plan checks alone."""
+        with collector_paused():  # the same walks
             text = module.attrs.cluster or ctx.cluster
             run_plan_checks(module, ctx.cluster_spec(text) if text else None, _meeting(module))
 

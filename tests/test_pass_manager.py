@@ -13,6 +13,7 @@ from dapple_ir.errors import DappleError, PassError, PassOptionError
 from dapple_ir.ir import Module
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
+from dapple_ir.ir.verifier import verify_module
 from dapple_ir.pass_manager import PassManager, build_pipeline, pipeline_spec
 from dapple_ir.plugins import all_passes, load_plugin
 from dapple_ir.registry import Pass, PassContext, lookup_pass, option, register_pass
@@ -189,6 +190,54 @@ def test_no_verify_lets_broken_ir_through() -> None:
     module = parse_module(MLP)
     PassManager(build_pipeline("test-break-ssa"), verify=False).run(module)
     assert module.ops[0].name == "o"
+
+
+def _counting_verifies(monkeypatch: pytest.MonkeyPatch) -> list[Module]:
+    """Every module `verify_module` is called on, by the manager or the verify pass."""
+    from dapple_ir import pass_manager
+    from dapple_ir.passes import verify
+
+    calls: list[Module] = []
+
+    def counted(module: Module) -> None:
+        calls.append(module)
+        verify_module(module)
+
+    monkeypatch.setattr(pass_manager, "verify_module", counted)
+    monkeypatch.setattr(verify, "verify_module", counted)
+    return calls
+
+
+@pytest.mark.parametrize("pipeline", ["verify", "dce,verify", "dce,verify,verify"])
+def test_a_verifying_manager_verifies_each_state_of_the_module_once(
+    pipeline: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The input and what each pass but `verify` leaves, once each: the verify pass does not verify again what the
+    manager verified right before it."""
+    calls = _counting_verifies(monkeypatch)
+    PassManager(build_pipeline(pipeline)).run(parse_module(MLP))
+    assert len(calls) == 1 + pipeline.count("dce")
+
+
+def test_the_verify_pass_verifies_where_no_manager_did() -> None:
+    """Under `--no-verify`, and applied alone, the verify pass verifies the structure itself."""
+    with pytest.raises(
+        PassError, match=r"pass 'verify' failed \(after test-break-ssa\): verify: .* before its definition"
+    ):
+        PassManager(build_pipeline("test-break-ssa,verify"), verify=False).run(parse_module(MLP))
+    module = parse_module(MLP)
+    module.ops.reverse()
+    with pytest.raises(DappleError, match="before its definition"):
+        lookup_pass("verify")().apply(PassContext(), module)
+
+
+def test_a_verify_pass_first_checks_the_input_once_by_the_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = parse_module(MLP)
+    module.ops.reverse()
+    calls = _counting_verifies(monkeypatch)
+    with pytest.raises(PassError, match=r"the IR after the input does not verify: verify: .* before its definition"):
+        PassManager(build_pipeline("verify,verify")).run(module)
+    assert len(calls) == 1
 
 
 def test_failing_pass_names_itself_and_the_passes_before() -> None:
