@@ -10,9 +10,11 @@ Deadlock freedom and memory fit are whole-plan properties checked by the `verify
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from itertools import repeat
-from operator import attrgetter, is_
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import compress, count, repeat
+from operator import attrgetter, eq, is_, is_not, itemgetter
+from typing import Any
 
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import (
@@ -61,6 +63,9 @@ class _Verifier:
         self.stage_set = set(module.stages)
         self.param_names = {p.name for p in module.params}
         self.param_types = {p.name: p.type for p in module.params}
+        self.alike = HeldAlike(module.programs)
+        self.keyed: dict[int, _Keyed] = {}
+        """The programs `may_break` keyed by their shape and found to pass, by rank."""
 
     def op_error(self, op: Op, message: str) -> VerifyError:
         name = self.namer(op)
@@ -252,30 +257,78 @@ class _Verifier:
 
         Replicas of a stage and the members of a tensor group run programs of one shape: the same kinds, stages,
         values and parameters, the same fields unset, on microbatches, peers and groups of their own. What
-        `instr_problem` finds from the shape alone is found on the first program of each shape, walked whole; the
-        others are held to it by what differs: their microbatches, peers and groups, each as a set, and (a sharded
-        collective's group is as large as its stage's replicas) their sharded collectives one by one. `shapes`: each
-        shape's first rank and where its sharded collectives are (the kinds are part of the shape: found once)."""
-        if not program.instrs:
+        `instr_problem` finds from the shape alone is found on the first program of each shape (`shape_problem`,
+        walked whole where that finds something); the others are held to it by what differs: their microbatches,
+        peers and groups, each as a set, and (a sharded collective's group is as large as its stage's replicas) their
+        sharded collectives one by one. `shapes`: each shape's first rank and where its sharded collectives are (the
+        kinds are part of the shape: found once). A program that holds the very instructions of one keyed before at
+        most places is held to that one instead (`alike_verdict`): its shape is then found at those places alone."""
+        instrs = program.instrs
+        if not instrs:
             return False
-        kinds, stages, values, params, mbs, peers, groups = zip(*map(_FIELDS, program.instrs), strict=True)
-        numbered = set(mbs) - {None}
+        found = self.alike.find(rank)
+        verdict = self.alike_verdict(program, rank, n_ranks, *found) if found is not None else None
+        if verdict is not None:
+            return verdict
+        columns = _columns(instrs)
+        kinds, stages, values, params, mbs, peers, groups = columns
+        named, grouped = set(peers) - {None}, set(groups) - {None}
+        if self.ranks_problem(mbs, named, grouped, rank, n_ranks):
+            return True
+        key = (kinds, stages, values, params, (_nones(mbs), _nones(peers), _nones(groups)))
+        first = shapes.get(key)
+        if first is None:
+            first = shapes[key] = (rank, tuple(i for i, kind in enumerate(kinds) if kind in _SHARD_VALUES))
+        self.keyed[rank] = _Keyed(first[1], named, grouped)
+        if first[0] == rank:
+            return self.shape_problem(instrs, columns, rank, n_ranks)  # the first program of its shape
+        return any(self.shard_problem(instrs[i], rank, n_ranks) for i in first[1])
+
+    def shape_problem(self, instrs: list[Instr], columns: _Columns, rank: int, n_ranks: int) -> bool:
+        """Whether an instruction of a program whose microbatches, peers and groups pass (`ranks_problem`) may have a
+        problem. Once every stage and value it names is the module's, what `instr_problem` finds of an instruction
+        depends only on its kind, stage, parameter and group, and on which of its value, microbatch and peer are
+        unset: one instruction of each such class is asked."""
+        kinds, stages, values, params, mbs, peers, groups = columns
+        if not (set(stages) - {None} <= self.stage_set and set(values) - {None} <= self.op_set):
+            return True
+        alike = zip(kinds, stages, params, groups, _nones(values), _nones(mbs), _nones(peers), strict=True)
+        return any(self.instr_problem(instr, rank, n_ranks) for instr in dict(zip(alike, instrs, strict=True)).values())
+
+    def ranks_problem(
+        self, mbs: tuple[int | None, ...], named: set[int], grouped: set[tuple[int, ...]], rank: int, n_ranks: int
+    ) -> bool:
+        """Whether a microbatch is out of range, a peer in `named` is this rank or out of range, or a group in
+        `grouped` leaves this rank out or names a rank out of range."""
+        numbered: set[int] = set(mbs) - {None}  # type: ignore[assignment]
         last = self.module.attrs.microbatches
         if numbered and (min(numbered) < 0 or (last is not None and max(numbered) >= last)):
             return True
-        named = set(peers) - {None}
         if named and (rank in named or min(named) < 0 or max(named) >= n_ranks):
             return True
-        if any(rank not in g or min(g) < 0 or max(g) >= n_ranks for g in set(groups) - {None}):
+        return any(rank not in g or min(g) < 0 or max(g) >= n_ranks for g in grouped)
+
+    def alike_verdict(self, program: RankProgram, rank: int, n_ranks: int, other: int, at: list[int]) -> bool | None:
+        """`may_break`'s verdict from program `other`, whose very instructions this one holds but at places `at`
+        (`HeldAlike`); None where `other` was not keyed, or where the two differ at `at` in more than microbatches,
+        peers and groups (their shapes may then differ).
+
+        Every instruction of the other passed (or `check_programs` raised): held here, it passes unless it names
+        this rank as its peer or leaves it out of its group, which the other's few peers and groups tell. This
+        program's own instructions are held as `may_break` holds a program of the other's shape: their microbatches,
+        peers and groups as sets, and the shape's sharded collectives one by one."""
+        keyed = self.keyed.get(other)
+        if keyed is None:
+            return None
+        instrs, theirs = program.instrs, self.module.programs[other].instrs
+        mine = _columns(_at(instrs, at))
+        if (mine[:4], tuple(map(_nones, mine[4:]))) != keyed.held_at(theirs, at):
+            return None
+        if self.ranks_problem(mine[4], set(mine[5]) - {None}, set(mine[6]) - {None}, rank, n_ranks):
             return True
-        unset = (_nones(mbs), _nones(peers), _nones(groups))
-        key = (kinds, stages, values, params, unset)
-        first = shapes.get(key)
-        if first is None:
-            shapes[key] = (rank, tuple(i for i, kind in enumerate(kinds) if kind in _SHARD_VALUES))
-            return True  # the first program of its shape
-        instrs = program.instrs
-        return any(self.shard_problem(instrs[i], rank, n_ranks) for i in first[1])
+        if not keyed.held_apart(theirs, set(at), rank):
+            return True
+        return any(self.shard_problem(instrs[i], rank, n_ranks) for i in keyed.sharded)
 
     def instr_problem(self, instr: Instr, rank: int, n_ranks: int) -> str | None:
         kind = instr.kind
@@ -341,7 +394,90 @@ class _Verifier:
 
 #: What `may_break` reads of each instruction; the kind by its text (hashing an enum member runs Python code).
 _FIELDS = attrgetter("kind._value_", "stage", "value", "param", "mb", "peer", "group")
+_PEER, _GROUP = attrgetter("peer"), attrgetter("group")
 _SHARD_VALUES = frozenset({InstrKind.REDUCE_SCATTER.value, InstrKind.ALL_GATHER.value})
+
+
+@dataclass
+class _Keyed:
+    """A program `may_break` keyed by its shape, found to pass: what a program that holds its very instructions at
+    most places is held to (`_Verifier.alike_verdict`)."""
+
+    sharded: tuple[int, ...]
+    """Where its shape's sharded collectives are."""
+    peers: set[int]
+    """Its peers."""
+    groups: set[tuple[int, ...]]
+    """Its instructions' groups."""
+    places: dict[object, frozenset[int]] = field(default_factory=dict)
+    """Where each peer or group is among its instructions, found when first asked (`held_apart`)."""
+    last: tuple[list[int], tuple[_Columns, tuple[tuple[bool, ...], ...]]] | None = None
+    """What `held_at` was last asked and answered."""
+
+    def held_at(self, instrs: list[Instr], at: list[int]) -> tuple[_Columns, tuple[tuple[bool, ...], ...]]:
+        """Its instructions (`instrs`) at places `at`: their first four columns (`_FIELDS`) and which of the last
+        three are unset. The last answer is kept: the members of a tensor group hold their own at the same places."""
+        if self.last is None or self.last[0] != at:
+            columns = _columns(_at(instrs, at))
+            self.last = (at, (columns[:4], tuple(map(_nones, columns[4:]))))
+        return self.last[1]
+
+    def held_apart(self, instrs: list[Instr], own: set[int], rank: int) -> bool:
+        """Whether a program with instructions of its own at `own`, and this one's (`instrs`) elsewhere, holds none
+        of this one's that names `rank` as its peer or leaves it out of its group."""
+        peers = [peer for peer in self.peers if peer == rank]
+        groups = [group for group in self.groups if rank not in group]
+        for key, read in [*((p, _PEER) for p in peers), *((g, _GROUP) for g in groups)]:
+            places = self.places.get(key)
+            if places is None:
+                places = self.places[key] = frozenset(compress(count(), map(eq, map(read, instrs), repeat(key))))
+            if not places <= own:
+                return False
+        return True
+
+
+class HeldAlike:
+    """Programs that hold the very instruction objects of an earlier one at all but a few places (the members of a
+    tensor group hold their lead's computations, sums and frees: only their transfers and collectives are their
+    own). Whatever is found of the earlier one's instructions holds for such a program's at every other place."""
+
+    def __init__(self, programs: Sequence[RankProgram]) -> None:
+        self.programs = programs
+        self.firsts: dict[Instr, int] = {}
+        """A few instructions (`_PROBES`) of each program held alike to no earlier one, to the program's index."""
+
+    def find(self, index: int) -> tuple[int, list[int]] | None:
+        """The earlier program whose instructions program `index` holds at all but at most half its places, with
+        those places, ascending; None where there is none (then later programs may be held to this one). Asked of
+        each program in order."""
+        instrs = self.programs[index].instrs
+        n = len(instrs)
+        probes = [instrs[n * k // _PROBES] for k in range(_PROBES)] if n else []
+        other = next((self.firsts[probe] for probe in probes if probe in self.firsts), None)
+        theirs = self.programs[other].instrs if other is not None else ()
+        if other is not None and len(theirs) == n:
+            at = list(compress(count(), map(is_not, instrs, theirs)))
+            if 2 * len(at) <= n:
+                return other, at
+        for probe in probes:
+            self.firsts.setdefault(probe, index)
+        return None
+
+
+_PROBES = 8
+
+
+_Columns = tuple[tuple[Any, ...], ...]
+
+
+def _at(instrs: list[Instr], places: list[int]) -> Sequence[Instr]:
+    """The instructions at `places`, picked without a Python call each."""
+    return itemgetter(*places)(instrs) if len(places) > 1 else [instrs[i] for i in places]
+
+
+def _columns(instrs: Sequence[Instr]) -> _Columns:
+    """What `may_break` reads of each instruction (`_FIELDS`), field by field."""
+    return tuple(zip(*map(_FIELDS, instrs), strict=True)) or ((),) * 7
 
 
 def _nones(field: tuple[object, ...]) -> tuple[bool, ...]:
