@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from itertools import compress, count
 from operator import attrgetter
 
@@ -20,6 +20,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.ir.printer import Namer, format_instr
+from dapple_ir.ir.verifier import HeldAlike, picked
 
 
 def run_plan_checks(
@@ -41,12 +42,41 @@ def run_plan_checks(
             raise VerifyError(f"verify: the programs deadlock: {problem}")
     if InstrKind.FREE.value in kinds:
         # Each program's shape, worked out once for both checks (a walk over each of a thousand ranks' programs).
-        shapes = [program_shape(module, program) for program in module.programs]
+        shapes = program_shapes(module)
         check_frees(module, shapes)
         if cluster:
             check_memory(module, cluster, shapes)
     if kinds & {kind.value for kind in _LOWERED}:
         check_optimizer_steps(module)
+
+
+def program_shapes(module: Module) -> list[int]:
+    """A label of each program's `program_shape`, equal where the shapes are equal and only there. A program that
+    holds the very instructions of an earlier one but at a few places (`HeldAlike`: a tensor group's member) has the
+    other's shape where the instructions at those places have the other's there, microbatches as they are (so the
+    same numbering of them); every other program's shape is worked out."""
+    labels: list[int] = []
+    known: dict[tuple[object, ...], int] = {}
+    alike = HeldAlike(module.programs)
+    # The other's instructions at the places asked last, and their shape: a tensor group's members ask the same.
+    theirs: dict[int, tuple[list[int], tuple[object, ...]]] = {}
+    for index, program in enumerate(module.programs):
+        found = alike.find(index)
+        if found is None:
+            labels.append(known.setdefault(program_shape(module, program), len(known)))
+            continue
+        other, at = found
+        if other not in theirs or theirs[other][0] != at:
+            theirs[other] = (at, _shape_at(module, module.programs[other], at))
+        alike_shape = _shape_at(module, program, at) == theirs[other][1]
+        labels.append(labels[other] if alike_shape else known.setdefault(program_shape(module, program), len(known)))
+    return labels
+
+
+def _shape_at(module: Module, program: RankProgram, at: list[int]) -> tuple[object, ...]:
+    """The `program_shape` of the program's instructions at places `at`, with their microbatches as they are."""
+    instrs = list(picked(program.instrs, at))
+    return program_shape(module, RankProgram(program.name, instrs, program.attrs)), tuple(map(_MB, instrs))
 
 
 #: Instructions only lowering adds: once one is there, every rank's program must be complete.
@@ -55,6 +85,7 @@ _LOWERED = frozenset({InstrKind.SEND, InstrKind.RECV, InstrKind.FREE, InstrKind.
 #: An instruction's kind by its text: the checks ask it of millions of instructions, and hashing an enum member (to
 #: look it up in a set of kinds) runs Python code.
 _KIND = attrgetter("kind._value_")
+_MB = attrgetter("mb")
 _COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
 _COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 _MEETS = _COLLECTIVE | {InstrKind.SEND.value, InstrKind.RECV.value}
@@ -328,11 +359,12 @@ def _buffer_key(instr: Instr) -> tuple[object, ...]:
     return ("grad" if instr.grad else "value", instr.value, instr.mb)
 
 
-def check_frees(module: Module, shapes: Sequence[tuple[object, ...]] | None = None) -> None:
+def check_frees(module: Module, shapes: Sequence[Hashable] | None = None) -> None:
     """Every forward's activations, received value and received gradient is freed exactly once, after use. `shapes`:
-    each program's `program_shape`, where the caller has them."""
+    each program's `program_shape`, or a label equal where those are equal and only there (`program_shapes`), where
+    the caller has them."""
     touches = {s: _touches(s) for s in module.stages}
-    passed: set[tuple[object, ...]] = set()
+    passed: set[Hashable] = set()
     for index, program in enumerate(module.programs):
         # Replicas and tensor-group members run one program on microbatches of their own (`program_shape`, which
         # peak memory shares too): what is freed, and when, depends only on which instructions name the same
@@ -376,12 +408,11 @@ def _touches(stage: Stage) -> set[tuple[str, object]]:
 # ------------------------------------------------------------------------------------------ memory
 
 
-def check_memory(
-    module: Module, cluster: str | ClusterSpec, shapes: Sequence[tuple[object, ...]] | None = None
-) -> None:
+def check_memory(module: Module, cluster: str | ClusterSpec, shapes: Sequence[Hashable] | None = None) -> None:
     """Each rank's static peak fits its device; the error names the rank, the instruction and the overflow. `shapes`:
-    each program's `program_shape`, where the caller has them: a rank's peak is that of its program's shape on top of
-    its stages' static bytes, so a rank of the shape, stages and device memory of one that fits fits."""
+    each program's `program_shape`, or a label equal where those are equal and only there (`program_shapes`), where
+    the caller has them: a rank's peak is that of its program's shape on top of its stages' static bytes, so a rank
+    of the shape, stages and device memory of one that fits fits."""
     spec = resolve_cluster(cluster) if isinstance(cluster, str) else cluster
     sizes = Sizes(module)
     fitted: set[tuple[object, ...]] = set()

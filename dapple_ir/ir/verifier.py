@@ -321,7 +321,7 @@ class _Verifier:
         if keyed is None:
             return None
         instrs, theirs = program.instrs, self.module.programs[other].instrs
-        mine = _columns(_at(instrs, at))
+        mine = _columns(picked(instrs, at))
         if (mine[:4], tuple(map(_nones, mine[4:]))) != keyed.held_at(theirs, at):
             return None
         if self.ranks_problem(mine[4], set(mine[5]) - {None}, set(mine[6]) - {None}, rank, n_ranks):
@@ -418,7 +418,7 @@ class _Keyed:
         """Its instructions (`instrs`) at places `at`: their first four columns (`_FIELDS`) and which of the last
         three are unset. The last answer is kept: the members of a tensor group hold their own at the same places."""
         if self.last is None or self.last[0] != at:
-            columns = _columns(_at(instrs, at))
+            columns = _columns(picked(instrs, at))
             self.last = (at, (columns[:4], tuple(map(_nones, columns[4:]))))
         return self.last[1]
 
@@ -470,7 +470,7 @@ _PROBES = 8
 _Columns = tuple[tuple[Any, ...], ...]
 
 
-def _at(instrs: list[Instr], places: list[int]) -> Sequence[Instr]:
+def picked(instrs: list[Instr], places: list[int]) -> Sequence[Instr]:
     """The instructions at `places`, picked without a Python call each."""
     return itemgetter(*places)(instrs) if len(places) > 1 else [instrs[i] for i in places]
 
