@@ -135,3 +135,33 @@ def _send_peer(module: Module, part: list[int]) -> int:
             if instr.kind is InstrKind.SEND and instr.peer is not None:
                 return instr.peer
     raise AssertionError("the part sends nothing")
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_ranks_meeting_places_are_its_own_however_asked(name: str) -> None:
+    """`CopyCheck.meeting_places`, found once per rank: each rank's peers' places, then its collectives', in order."""
+    from dapple_ir.sim.parts import CopyCheck
+
+    programs = _compiled(name).programs
+    check = CopyCheck(programs, lambda _r, _s: True, lambda _a, _b: (), lambda _a, _b: 0.0, lambda _i, _r: ([], 0), [])
+    collectives = {InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER}
+    for rank in [*reversed(range(len(programs))), *range(len(programs))]:
+        instrs = programs[rank].instrs
+        peers = [k for k, i in enumerate(instrs) if i.peer is not None]
+        assert check.meeting_places(rank) == peers + [k for k, i in enumerate(instrs) if i.kind in collectives]
+    assert all(check.meets.values())
+
+
+def test_a_ranks_instructions_looked_at_are_those_at_the_places_asked() -> None:
+    """`CopyCheck.looked_at` keeps its last answer for a rank's next copy: asked of other places, it looks there."""
+    from dapple_ir.sim.parts import _FIELDS, CopyCheck
+
+    programs = _compiled("T2 D2 P2 interleaved").programs
+    check = CopyCheck(programs, lambda _r, _s: True, lambda _a, _b: (), lambda _a, _b: 0.0, lambda _i, _r: ([], 0), [])
+    instrs = programs[0].instrs
+    for other in ([], [0, 1], [0, 1], [2, 3], [len(instrs) - 1], []):
+        looked = check.looked_at(0, other)
+        assert set(looked.places) == set(other) | set(check.meeting_places(0))
+        assert looked.instrs == [instrs[k] for k in looked.places]
+        assert looked.fields == list(map(_FIELDS, looked.instrs))
+        assert looked.grouped == {j for j, i in enumerate(looked.instrs) if i.group is not None}

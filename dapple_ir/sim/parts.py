@@ -21,6 +21,7 @@ check says which parts a check of the programs against each other (the deadlock 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import compress, count, repeat
 from operator import attrgetter, is_, is_not
 
@@ -121,6 +122,10 @@ class CopyCheck:
         self.latency = latency
         self.ring = ring
         self.bandwidth = bandwidth
+        self.meets: dict[int, list[int]] = {}
+        """Where each rank's program names a peer, then where it joins a collective (`meeting_places`)."""
+        self.looked: dict[int, tuple[list[int], _Looked]] = {}
+        """Each rank's last `looked_at`: what it was asked and answered."""
 
     def distinct(self, parts: list[list[int]]) -> list[list[int]]:
         """The parts that are no copy of an earlier one, in order."""
@@ -151,11 +156,9 @@ class CopyCheck:
             mine, theirs = programs[r].instrs, programs[s].instrs
             # Where the two programs hold other instructions, and where they must (their peers and groups differ):
             # found without a Python call per instruction; elsewhere both hold the very same instruction.
-            look = set(compress(count(), map(is_not, mine, theirs)))
-            look.update(compress(count(), map(is_not, map(_PEER, mine), repeat(None))))
-            look.update(compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, mine))))
-            mine_at, theirs_at = [mine[i] for i in look], [theirs[i] for i in look]
-            if not _same_instrs(mine_at, theirs_at, onto):
+            looked = self.looked_at(r, list(compress(count(), map(is_not, mine, theirs))))
+            mine_at, theirs_at = looked.instrs, [theirs[i] for i in looked.places]
+            if not _same_instrs(looked, theirs_at, onto):
                 return False
             sends = compress(map(_PEER, mine_at), map(is_, map(_KIND_OF, mine_at), repeat(InstrKind.SEND)))
             for peer in set(sends):
@@ -171,6 +174,31 @@ class CopyCheck:
                 if price != their_price or not self.same_links(paths, their_paths, links, back):
                     return False
         return True
+
+    def looked_at(self, rank: int, other: list[int]) -> _Looked:
+        """The rank's instructions where a program held to its copy holds others (`other`, ascending) or must differ
+        (`meeting_places`), with what `_same_instrs` reads of them. The last answer is kept for the rank: its copies
+        hold instructions of their own at the same places."""
+        kept = self.looked.get(rank)
+        if kept is None or kept[0] != other:
+            look = set(other)
+            look.update(self.meeting_places(rank))
+            places = list(look)
+            instrs = [self.programs[rank].instrs[i] for i in places]
+            grouped = set(compress(count(), map(is_not, map(_GROUP, instrs), repeat(None))))
+            kept = self.looked[rank] = (other, _Looked(places, instrs, list(map(_FIELDS, instrs)), grouped))
+        return kept[1]
+
+    def meeting_places(self, rank: int) -> list[int]:
+        """Where the rank's program names a peer, then where it joins a collective: found once per rank (a part is
+        held to each of its copies' in turn), while the programs are unchanged (one `CopyCheck` per look at them)."""
+        found = self.meets.get(rank)
+        if found is None:
+            instrs = self.programs[rank].instrs
+            found = list(compress(count(), map(is_not, map(_PEER, instrs), repeat(None))))
+            found += compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, instrs)))
+            self.meets[rank] = found
+        return found
 
     def same_route(
         self, r: int, peer: int, s: int, their_peer: int, links: dict[int, int], back: dict[int, int]
@@ -199,19 +227,32 @@ class CopyCheck:
         return True
 
 
-def _same_instrs(mine: list[Instr], theirs: list[Instr], onto: dict[int, int]) -> bool:
+@dataclass(frozen=True)
+class _Looked:
+    """A rank's instructions at the places its copy's are compared (`CopyCheck.looked_at`)."""
+
+    places: list[int]
+    """The places, in the order compared."""
+    instrs: list[Instr]
+    """Its instructions there."""
+    fields: list[tuple[object, ...]]
+    """What the copy's must hold alike there (`_FIELDS`)."""
+    grouped: set[int]
+    """Which of them (indices into `instrs`) have a group."""
+
+
+def _same_instrs(mine: _Looked, theirs: list[Instr], onto: dict[int, int]) -> bool:
     """Whether each of `theirs` is the one of `mine` at its place with its peer, or its collective's group, mapped by
     `onto` (a tensor group kept as it is): compared field by field a list at a time, the groups one by one (a
     program has few)."""
-    if list(map(_FIELDS, mine)) != list(map(_FIELDS, theirs)):
+    if mine.fields != list(map(_FIELDS, theirs)):
         return False
     # A part holds every peer of its ranks: a peer maps to a peer, and no peer to no peer.
-    if list(map(onto.get, map(_PEER, mine))) != list(map(_PEER, theirs)):
+    if list(map(onto.get, map(_PEER, mine.instrs))) != list(map(_PEER, theirs)):
         return False
-    grouped = set(compress(count(), map(is_not, map(_GROUP, mine), repeat(None))))
-    grouped.update(compress(count(), map(is_not, map(_GROUP, theirs), repeat(None))))
+    grouped = mine.grouped | set(compress(count(), map(is_not, map(_GROUP, theirs), repeat(None))))
     for j in grouped:
-        a, b = mine[j], theirs[j]
+        a, b = mine.instrs[j], theirs[j]
         if a.group is None or b.group is None:
             return False
         if (a.group if a.kind is _TENSOR else tuple(onto.get(g, -1) for g in a.group)) != b.group:
