@@ -114,3 +114,18 @@ def test_members_with_their_own_instructions_at_other_places_are_each_held_at_th
     labels = program_shapes(module)
     assert labels[first] == labels[lead] != labels[second]
     _assert_labels_are_shapes(module)
+
+
+def test_the_checks_that_run_are_decided_past_a_first_rank_that_lacks_frees_or_transfers() -> None:
+    """`run_plan_checks` reads kinds until a rank that meets others and a free are found: a first rank without frees
+    leaves the frees check to the ranks after it, one without transfers or collectives the deadlock check."""
+    from dapple_ir.analysis.plan_checks import run_plan_checks
+    from dapple_ir.errors import VerifyError
+
+    meets = {InstrKind.SEND, InstrKind.RECV, InstrKind.ALLREDUCE, InstrKind.REDUCE_SCATTER, InstrKind.ALL_GATHER}
+    for dropped, says in ((meets, "deadlock"), ({InstrKind.FREE}, "rank 0 never frees")):
+        module = copy.deepcopy(_compiled("round-robin, recompute"))
+        first = module.programs[0]
+        first.instrs = [i for i in first.instrs if i.kind not in dropped]
+        with pytest.raises(VerifyError, match=says):
+            run_plan_checks(module)
