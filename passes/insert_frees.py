@@ -7,7 +7,8 @@ Release points, for microbatch m on one rank:
 Frees follow the sends that directly follow that compute, so gradients leave before memory is returned.
 `program.attrs.peak_bytes` is then the static peak of `dapple_ir.analysis.peak_memory`.
 Where `plan` handed on the lowering it simulated (`ir.scale.TrialLowering`) and the programs hold its instructions,
-the frees are that lowering's (the same as this pass makes); the peaks are always counted here.
+the frees are that lowering's (the same as this pass makes); the peaks are always counted here, of the program shapes
+the trial noted. A trial (`ir.scale.noting`) counts no peaks: nothing reads them, and `plan` rewrites the costs after.
 """
 
 from __future__ import annotations
@@ -43,27 +44,49 @@ class InsertFrees(Pass):
         scale.hand_over(None)
         with collector_paused():
             taken = handed.freed(module) if handed is not None else None
-            # Programs that differ only in peers and groups (a tensor group's members) get their frees at the same
-            # places: found once per program of the same instructions otherwise (`_FREES_READ`).
-            made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]] = {}
-            # Programs given the same frees differ from each other only in what `program_shape` leaves out (peers,
-            # groups) and reads apart (rows, replica): where those match too, the shape is worked out once.
-            shapes: dict[tuple[object, ...], tuple[object, ...]] = {}
-            keys: list[tuple[object, ...] | None] = []
-            for k, program in enumerate(module.programs):
-                if taken is not None:
-                    program.instrs = taken[k]
-                    keys.append(None)
-                    continue
-                program.instrs, points = _with_frees(program, readers, definers, made)
-                same = (id(points), program.attrs.replica, tuple(map(_ROWS, program.instrs)))
-                key = shapes.get(same)
-                if key is None:
-                    key = shapes[same] = program_shape(module, program)
-                keys.append(key)
+            if taken is not None:
+                for program, instrs in zip(module.programs, taken[0], strict=True):
+                    program.instrs = instrs
+            keys = taken[1] if taken is not None else None
+            if keys is None:
+                keys = _with_shapes(module, readers, definers, taken is None)
+            if scale.is_trial(module):  # what `plan` simulates: nothing reads its peaks, counted again after
+                scale.note(module, "shapes", keys)
+                return
             sizes = Sizes(module)
+            peaks: dict[tuple[int, tuple[str, ...] | None], float] = {}
             for program, key in zip(module.programs, keys, strict=True):
-                program.attrs.peak_bytes = program_peak(module, program, sizes, key).total
+                # The programs of one shape object and the same hosted stages have one peak: asked once.
+                alike = (id(key), program.attrs.stages)
+                peak = peaks.get(alike) if program.attrs.stages is not None else None
+                if peak is None:
+                    peak = peaks[alike] = program_peak(module, program, sizes, key).total
+                program.attrs.peak_bytes = peak
+
+
+def _with_shapes(
+    module: Module, readers: dict[Op, list[Stage]], definers: dict[Op, Stage], add_frees: bool
+) -> list[tuple[object, ...]]:
+    """Each program's `program_shape`, its frees first put in place where `add_frees` (else its instructions are
+    taken as they are)."""
+    # Programs that differ only in peers and groups (a tensor group's members) get their frees at the same places:
+    # found once per program of the same instructions otherwise (`_FREES_READ`).
+    made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]] = {}
+    # Programs given the same frees differ from each other only in what `program_shape` leaves out (peers, groups)
+    # and reads apart (rows, replica): where those match too, the shape is worked out once.
+    shapes: dict[tuple[object, ...], tuple[object, ...]] = {}
+    keys: list[tuple[object, ...]] = []
+    for program in module.programs:
+        if not add_frees:
+            keys.append(program_shape(module, program))
+            continue
+        program.instrs, points = _with_frees(program, readers, definers, made)
+        same = (id(points), program.attrs.replica, tuple(map(_ROWS, program.instrs)))
+        key = shapes.get(same)
+        if key is None:
+            key = shapes[same] = program_shape(module, program)
+        keys.append(key)
+    return keys
 
 
 def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:

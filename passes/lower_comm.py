@@ -34,3 +34,5 @@ class LowerComm(Pass):
             taken = [lowered.instrs for lowered in lowered_programs(module)]
         for program, instrs in zip(module.programs, taken, strict=True):
             program.instrs = instrs
+        if scale.is_trial(module):  # what the plan's `lower-comm` may take, and `insert-frees` compare with
+            scale.note(module, "lowered", [list(instrs) for instrs in taken])

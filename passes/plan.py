@@ -24,7 +24,7 @@ from dapple_ir.cluster.roofline import rescaled_s
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import DappleError, PlanError
 from dapple_ir.ir import Module, Op
-from dapple_ir.ir.scale import TrialLowering, collector_paused, hand_over
+from dapple_ir.ir.scale import TrialLowering, collector_paused, hand_over, noting
 from dapple_ir.planner.cost_model import POLICIES, Candidate, Problem, problem_from_module, roofline_ops
 from dapple_ir.planner.search import Outcome, Request, Score, search, write_stages
 from dapple_ir.pricing.ops import OpPrices
@@ -72,9 +72,9 @@ class Plan(Pass):
         fastest = _FastestTrial()
 
         def score(trial: Problem, cand: Candidate) -> tuple[float, float]:
-            lowered = lowered_trial(module, trial, cand)
-            seconds, peak = simulated(lowered, trial, prices)
-            fastest.offer(trial, cand, lowered, seconds)
+            lowered, notes = lowered_trial(module, trial, cand)
+            seconds, peak = simulated(lowered, trial, prices, notes)
+            fastest.offer(trial, cand, lowered, notes, seconds)
             return seconds, peak
 
         problem, outcome = _search_degrees(
@@ -113,13 +113,13 @@ def lower_and_simulate(
 ) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for `cand`, lowered on a copy, its ops priced by
     `prices` (by default, the module's on the problem's cluster)."""
-    trial = lowered_trial(module, problem, cand)
-    return simulated(trial, problem, prices or OpPrices(module, problem.base_cluster or problem.cluster))
+    trial, notes = lowered_trial(module, problem, cand)
+    return simulated(trial, problem, prices or OpPrices(module, problem.base_cluster or problem.cluster), notes)
 
 
-def lowered_trial(module: Module, problem: Problem, cand: Candidate) -> Module:
+def lowered_trial(module: Module, problem: Problem, cand: Candidate) -> tuple[Module, dict[str, object]]:
     """A copy of `module` with `cand`'s stages, lowered (`schedule`, `lower-comm`, `insert-frees`, found by name in
-    the registry)."""
+    the registry) as a trial (`ir.scale.noting`: no peaks counted), with what its passes noted for a hand-over."""
     # The lowering passes write stages, programs and module attributes, never ops or parameters: a
     # copy of those three suffices (a deep copy of a large model costs about a second per candidate).
     trial = dataclasses.replace(module, stages=[], programs=[], attrs=copy.copy(module.attrs))
@@ -130,19 +130,24 @@ def lowered_trial(module: Module, problem: Problem, cand: Candidate) -> Module:
         lookup_pass("lower-comm").from_options({}),
         lookup_pass("insert-frees").from_options({}),
     ]
-    with collector_paused():  # the programs of a thousand ranks are millions of instructions
+    # The programs of a thousand ranks are millions of instructions: the collector paused.
+    with collector_paused(), noting(trial) as notes:
         for lowering_pass in lowering:
             try:
                 lowering_pass.apply(ctx, trial)
             except DappleError as exc:
                 raise PlanError(f"pass '{lowering_pass.spec()}' failed: {exc}") from exc
-    return trial
+    return trial, notes
 
 
-def simulated(trial: Module, problem: Problem, prices: OpPrices) -> tuple[float, float]:
+def simulated(
+    trial: Module, problem: Problem, prices: OpPrices, notes: dict[str, object] | None = None
+) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for a lowered `trial` of `problem`, its ops priced by
-    `prices`."""
-    return predict(trial, cluster=problem.base_cluster or problem.cluster, prices=prices)
+    `prices`; its programs' shapes where its `insert-frees` noted them (`notes`)."""
+    shapes = (notes or {}).get("shapes")
+    cluster = problem.base_cluster or problem.cluster
+    return predict(trial, cluster=cluster, prices=prices, shapes=shapes if isinstance(shapes, list) else None)
 
 
 @dataclass
@@ -154,11 +159,13 @@ class _FastestTrial:
     problem: Problem | None = None
     cand: Candidate | None = None
     trial: Module | None = None
+    notes: dict[str, object] = dataclasses.field(default_factory=dict)
+    """What the trial's passes noted for its hand-over (`ir.scale.note`)."""
     seconds: float = float("inf")
 
-    def offer(self, problem: Problem, cand: Candidate, trial: Module, seconds: float) -> None:
+    def offer(self, problem: Problem, cand: Candidate, trial: Module, notes: dict[str, object], seconds: float) -> None:
         if seconds < self.seconds:
-            self.problem, self.cand, self.trial, self.seconds = problem, cand, trial, seconds
+            self.problem, self.cand, self.trial, self.notes, self.seconds = problem, cand, trial, notes, seconds
 
     def hand_over(self, module: Module, problem: Problem, cand: Candidate) -> TrialLowering | None:
         """The trial lowering of `cand`, whose stages `module` now has, with the trial's stages put in their place
@@ -174,7 +181,8 @@ class _FastestTrial:
             return None
         module.stages = trial.stages
         graph = (list(module.ops), list(module.params))
-        return TrialLowering(module, trial.stages, trial.attrs.microbatch_size, trial.programs, graph)
+        notes, self.notes = self.notes, {}
+        return TrialLowering(module, trial.stages, trial.attrs.microbatch_size, trial.programs, graph, notes)
 
 
 def tensor_degrees(module: Module, cluster: ClusterSpec, forced: int) -> list[int]:

@@ -4,7 +4,9 @@ Ranks are the devices the stages use, numbered by ascending device id. With `vir
 stage k sits on the devices of stage k % P, P = stages / V; stages left without devices get them from
 that rule, and a module whose stages name no devices at all gets devices 0, 1, ... in pipeline order.
 Left at 0, an interleaved schedule reads V off the stages (the plan of an interleaved candidate puts
-stage P on stage 0's devices), so `plan,schedule` lowers what the planner chose.
+stage P on stage 0's devices), so `plan,schedule` lowers what the planner chose. Where `plan` handed on the
+lowering it simulated (`ir.scale.TrialLowering`) and this pass's inputs are that trial's, the programs are made of
+the trial's compute instructions (the same as this pass makes, and checked there).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dapple_ir.analysis.lowering import lowered_programs
 from dapple_ir.analysis.peak_memory import stage_memory
 from dapple_ir.analysis.plan_checks import check_compute_order, find_deadlock
 from dapple_ir.errors import ScheduleError
-from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage
+from dapple_ir.ir import Instr, Module, ProgramAttrs, RankProgram, Stage, scale
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.registry import Pass, PassContext, option, register_pass
 
@@ -59,6 +61,31 @@ class Schedule(Pass):
         replicas = tuple(1 if s.split else s.replicas for s in module.stages)
         # Weighed in the bytes the static peak counts, so zb-h1 defers weight passes only as far as 1f1b's peak.
         request = schedules.ScheduleRequest(replicas, m, virtual, stage_memory(module))
+        # All the programs are made from, besides the stages themselves (a CSV file is read afresh each time).
+        inputs = (kind, request, device_slots, tuple((s.name, s.split) for s in module.stages))
+        handed = scale.handed(module)
+        taken = handed.scheduled(module, inputs) if handed is not None and not self.from_ else None
+        with collector_paused():  # a thousand ranks' programs are millions of instructions
+            if taken is not None:  # the trial's, made from these very inputs and checked there
+                module.attrs.schedule = kind
+                module.programs = [
+                    _program(rank, where, groups, module.stages, instrs)
+                    for rank, (where, instrs) in enumerate(zip(device_slots, taken, strict=True))
+                ]
+                return
+            self._make_programs(module, kind, request, device_slots, groups)
+        if not self.from_ and scale.is_trial(module):
+            scale.note(module, "schedule", (inputs, [list(p.instrs) for p in module.programs]))
+
+    def _make_programs(
+        self,
+        module: Module,
+        kind: str,
+        request: schedules.ScheduleRequest,
+        device_slots: list[tuple[int, schedules.Slot, int]],
+        groups: int,
+    ) -> None:
+        """Order each rank's work by `kind` (or the CSV file), write the programs and check the order."""
         if self.from_:
             orders = schedules.load_order_csv(self.from_, [s.name for s in module.stages])
             module.attrs.schedule = f"from:{self.from_}"
@@ -211,7 +238,6 @@ def _program(
 def _refuse_deadlock(module: Module, spec: str) -> None:
     # Sends go right after the compute that produced them and recvs right before the compute that
     # needs them, so the compute order deadlocks exactly when its lowering does: check the lowering.
-    with collector_paused():  # millions of instructions at a thousand ranks: a full collection walks them all
-        cycle = find_deadlock(lowered_programs(module), module)
+    cycle = find_deadlock(lowered_programs(module), module)
     if cycle is not None:
         raise ScheduleError(f"{spec}: the order deadlocks: {cycle}")

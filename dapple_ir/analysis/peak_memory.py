@@ -273,12 +273,12 @@ def memory_changes(
 
 
 def posted_changes(
-    module: Module, program: RankProgram, sizes: Sizes | None = None
+    module: Module, program: RankProgram, sizes: Sizes | None = None, shape_key: tuple[object, ...] | None = None
 ) -> tuple[dict[int, int], list[tuple[int, float]]]:
     """`recv_posts` and `memory_changes` under those posts, for the price of one walk over the program; worked out
-    once per program shape (`program_shape`) that `sizes` has seen, the answer shared: callers read it, never change
-    it."""
-    shape = _shape(module, program, sizes or Sizes(module))
+    once per program shape (`program_shape`, or `shape_key` where the caller has it) that `sizes` has seen, the answer
+    shared: callers read it, never change it."""
+    shape = _shape(module, program, sizes or Sizes(module), shape_key)
     return shape.posts, shape.changes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 
 from dapple_ir.ir.core import COMPUTE_KINDS, Instr, InstrKind, Module, Op, Param, RankProgram, Stage
@@ -32,9 +32,10 @@ class TrialLowering:
     plan it chose, handed on (`hand_over`) so that `lower-comm` and `insert-frees` take its instructions instead of
     making them again: at a thousand ranks, millions of them. `plan` gave the module the trial's stages (the same
     objects, once it checked that they are what it writes), so the trial's instructions name the module's stages.
-    Each pass takes the trial's answer only where its input is what the trial's was (`lowered`, `freed`), so what it
-    writes is what it would have computed. The trial's peaks are not taken: `plan` rewrites the ops' costs after it
-    simulates, and `insert-frees` counts the bytes again."""
+    `schedule` takes the trial's compute instructions too. Each pass takes the trial's answer only where its input is
+    what the trial's was (`scheduled`, `lowered`, `freed`), so what it writes is what it would have computed. The
+    trial's peaks are neither counted (nothing reads a trial's) nor taken: `plan` rewrites the ops' costs after it
+    simulates, and `insert-frees` counts the bytes, of the shapes the trial found (`freed`)."""
 
     module: Module
     """The module the trial was lowered for."""
@@ -47,38 +48,66 @@ class TrialLowering:
     graph: tuple[list[Op], list[Param]] = ([], [])
     """The ops and parameters the trial read (the module's, shared): a pass that puts others in their place after
     `plan` gets no trial's answer."""
+    notes: dict[str, object] = field(default_factory=dict)
+    """What the trial's passes noted for the hand-over (`note`): `schedule` its inputs and each rank's compute
+    instructions, `insert-frees` each program's `peak_memory.program_shape`."""
+
+    def scheduled(self, module: Module, inputs: object) -> list[list[Instr]] | None:
+        """Each rank's compute instructions as `schedule` writes them for `module`, where `inputs` (all the pass's
+        programs are made from) equal those it noted for the trial; else None."""
+        noted = self.notes.get("schedule")
+        if not isinstance(noted, tuple) or noted[0] != inputs or not self._same_graph(module):
+            return None
+        return [list(instrs) for instrs in noted[1]]
 
     def lowered(self, module: Module) -> list[list[Instr]] | None:
         """Each rank's instructions as `lower-comm` writes them for `module`, where its programs' instructions are
         the trial's compute instructions (equal field by field, in order); else None."""
         if not self._same_plan(module):
             return None
-        free = InstrKind.FREE
-        lowered = [[i for i in p.instrs if i.kind is not free] for p in self.programs]
+        lowered = self._lowered()
+        noted = self.notes.get("schedule")
+        if isinstance(noted, tuple) and all(map(list.__eq__, [p.instrs for p in module.programs], noted[1])):
+            return lowered  # the very compute instructions `scheduled` handed on (compared by identity, in C)
         for program, trial in zip(module.programs, lowered, strict=True):
             if _fields(program.instrs) != _fields([i for i in trial if i.kind._value_ in _COMPUTE]):
                 return None
         return lowered
 
-    def freed(self, module: Module) -> list[list[Instr]] | None:
+    def freed(self, module: Module) -> tuple[list[list[Instr]], list[tuple[object, ...]] | None] | None:
         """Each rank's instructions as `insert-frees` writes them for `module`, where its programs hold the very
-        instruction objects of the trial's less its frees (as `lowered` handed them on); else None."""
+        instruction objects of the trial's less its frees (as `lowered` handed them on), with each program's
+        `peak_memory.program_shape` as the trial's `insert-frees` noted it (None where it noted none: a shape reads the
+        instructions, the replica and which stages split, never the ops' costs); else None."""
         if not self._same_plan(module):
             return None
-        free = InstrKind.FREE
-        for program, trial in zip(module.programs, self.programs, strict=True):
-            # Instructions compare equal only to themselves: this compares identities, element by element, in C.
-            if program.instrs != [i for i in trial.instrs if i.kind is not free]:
-                return None
-        return [p.instrs for p in self.programs]
+        # Instructions compare equal only to themselves: this compares identities, element by element, in C.
+        if [p.instrs for p in module.programs] != self._lowered():
+            return None
+        shapes = self.notes.get("shapes")
+        return [p.instrs for p in self.programs], shapes if isinstance(shapes, list) else None
 
-    def _same_plan(self, module: Module) -> bool:
+    def _lowered(self) -> list[list[Instr]]:
+        """Each of the trial's programs less its frees: as its `lower-comm` noted them (`lowered`), else found anew.
+        Lists of their own, so that a pass that changes what it took changes nothing here."""
+        noted = self.notes.get("lowered")
+        if isinstance(noted, list):
+            return [list(instrs) for instrs in noted]
+        free = InstrKind.FREE
+        return [[i for i in p.instrs if i.kind is not free] for p in self.programs]
+
+    def _same_graph(self, module: Module) -> bool:
         return (
             module is self.module
             and (module.ops, module.params) == self.graph
-            and module.attrs.microbatch_size == self.microbatch_size
             and len(module.stages) == len(self.stages)
             and all(a is b for a, b in zip(module.stages, self.stages, strict=True))
+        )
+
+    def _same_plan(self, module: Module) -> bool:
+        return (
+            self._same_graph(module)
+            and module.attrs.microbatch_size == self.microbatch_size
             and len(module.programs) == len(self.programs)
             and all(_placed(a) == _placed(b) for a, b in zip(module.programs, self.programs, strict=True))
         )
@@ -97,6 +126,33 @@ _fields_of = attrgetter(*(f.name for f in fields(Instr)))
 
 def _fields(instrs: list[Instr]) -> list[tuple[object, ...]]:
     return list(map(_fields_of, instrs))
+
+
+_noting: list[tuple[Module, dict[str, object]]] = []
+"""The trial `plan` lowers now (`noting`), with what its passes noted so far."""
+
+
+@contextmanager
+def noting(trial: Module) -> Iterator[dict[str, object]]:
+    """While `plan` lowers `trial`: what its lowering passes note (`note`) for the hand-over, by name."""
+    notes: dict[str, object] = {}
+    _noting[:] = [(trial, notes)]
+    try:
+        yield notes
+    finally:
+        _noting.clear()
+
+
+def is_trial(module: Module) -> bool:
+    """Whether `module` is a trial `plan` lowers now (`noting`): a pass may then leave out what no one reads of it."""
+    return any(m is module for m, _ in _noting)
+
+
+def note(module: Module, name: str, value: object) -> None:
+    """Note `value` under `name` for the hand-over of `module`'s trial lowering, where it is one (else nothing)."""
+    for trial, notes in _noting:
+        if trial is module:
+            notes[name] = value
 
 
 _handed: list[TrialLowering] = []

@@ -335,15 +335,18 @@ def simulate_each(
         yield result
 
 
-def predict(module: Module, *, cluster: ClusterSpec, prices: OpPrices) -> tuple[float, float]:
+def predict(
+    module: Module, *, cluster: ClusterSpec, prices: OpPrices, shapes: list[tuple[object, ...]] | None = None
+) -> tuple[float, float]:
     """(`iteration_s`, the most of `peak_bytes`) of `simulate(module, cluster=cluster, prices=prices)`, what the planner
-    ranks a candidate by, without the rest of the result (the timeline's curves, the critical path, the links)."""
+    ranks a candidate by, without the rest of the result (the timeline's curves, the critical path, the links).
+    `shapes`: each program's `peak_memory.program_shape`, where the caller has them (`insert-frees` notes a trial's)."""
     if not module.programs:
         result = simulate(module, cluster=cluster, prices=prices)  # says what is missing
         return result.iteration_s, max(result.peak_bytes, default=0.0)
     fractions = _fractions(module, BACKWARD_INPUT_FRACTION)
     with collector_paused():
-        return _Simulator(module, cluster, fractions, prices).iteration_and_peak()
+        return _Simulator(module, cluster, fractions, prices, shapes).iteration_and_peak()
 
 
 def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage, float]:
@@ -455,11 +458,13 @@ class _RankCosts(NamedTuple):
     None before."""
 
 
-def _posts(module: Module, rank: int, sizes: Sizes) -> tuple[list[list[tuple] | None], list[tuple[int, float]]]:  # type: ignore[type-arg]
-    """Of `rank`'s program: the receives posted before each instruction (`_RankCosts.posts`), and (instruction
-    index, bytes) of each change of its live memory under those posts."""
+def _posts(
+    module: Module, rank: int, sizes: Sizes, shape_key: tuple[object, ...] | None
+) -> tuple[list[list[tuple] | None], list[tuple[int, float]]]:  # type: ignore[type-arg]
+    """Of `rank`'s program (of shape `shape_key`, where given): the receives posted before each instruction
+    (`_RankCosts.posts`), and (instruction index, bytes) of each change of its live memory under those posts."""
     program = module.programs[rank]
-    early, changes = posted_changes(module, program, sizes)
+    early, changes = posted_changes(module, program, sizes, shape_key)
     # By index, not a dict: the engine looks at every instruction, and a list index is the cheapest look.
     here: list[list[tuple] | None] = [None] * len(program.instrs)  # type: ignore[type-arg]
     instrs = program.instrs
@@ -534,6 +539,7 @@ class _Simulator:
         cluster: ClusterSpec,
         fractions: dict[Stage, float],
         prices: OpPrices,
+        shapes: list[tuple[object, ...]] | None = None,
     ) -> None:
         self.module = module
         self.cluster = cluster
@@ -553,6 +559,8 @@ class _Simulator:
         self.slowdowns = slowdowns if any(s != 1.0 for s in slowdowns) else None
         self.core_paths, self.core_capacity = _core_paths(cluster, self.devices)
         self.sizes = Sizes(module)
+        # Each program's `peak_memory.program_shape`, where the caller has them (`predict`): else worked out here.
+        self.shapes = shapes
         self.network = Network(cluster)
         self.bandwidth = [link.bandwidth for link in self.network.links]
         # The links with no flows on them: whether a path takes time at all.
@@ -801,7 +809,8 @@ class _Simulator:
         """Work out where the receives of `ranks` are posted, and their memory's changes (`_posts`), once."""
         for r in ranks:
             if self.changes[r] is None:
-                posts, self.changes[r] = _posts(self.module, r, self.sizes)
+                key = self.shapes[r] if self.shapes is not None else None
+                posts, self.changes[r] = _posts(self.module, r, self.sizes, key)
                 self.of_rank[r] = self.of_rank[r]._replace(posts=posts)
 
     # ------------------------------------------------------------------------------ independent parts

@@ -1,0 +1,162 @@
+"""What `plan` hands on from the trial it simulated (`ir.scale.TrialLowering`) is taken only where it is right.
+
+`schedule` takes the trial's compute instructions where its inputs are the trial's, `insert-frees` the shapes the
+trial found for its programs; the trial counts no peaks (nothing reads them). Each plan compiled with the hand-over
+is the plan compiled without it, text for text, and a pass asked for another lowering than the trial's gets its
+own: a shortcut taken where it should not be shows as another plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from dapple_ir import api
+from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
+from dapple_ir.cluster.toml_file import resolve_cluster
+from dapple_ir.ir import Module, scale
+from dapple_ir.ir.parser import parse_module
+from dapple_ir.ir.printer import print_module
+from dapple_ir.passes import plan
+from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.sim import simulator
+from tests.test_compile_scale import GPT, PLANS
+
+ROUND_ROBIN = dict(cluster="2x4xV100-16GB", stages=2, replication="round-robin", microbatches=8)
+
+
+def _pipeline(plan_options: str, schedule: str) -> str:
+    return f"tensor-parallel,annotate-cost,coarsen,plan{{{plan_options}}},{schedule},lower-comm,insert-frees,verify"
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The hand-overs the passes take (or not) from here on, in order."""
+    taken: list[str] = []
+    for name in ("scheduled", "lowered", "freed"):
+        method = getattr(scale.TrialLowering, name)
+
+        def spied(self: scale.TrialLowering, *args: object, _method: Callable[..., object] = method) -> object:
+            found = _method(self, *args)
+            taken.append(_method.__name__ if found is not None else f"not {_method.__name__}")
+            return found
+
+        monkeypatch.setattr(scale.TrialLowering, name, spied)
+    return taken
+
+
+def _kept_trials(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Module, dict[str, object]]]:
+    """Each trial `plan` lowers from here on, with its notes."""
+    trials: list[tuple[Module, dict[str, object]]] = []
+    lowered_trial = plan.lowered_trial
+
+    def kept(*args: object) -> tuple[Module, dict[str, object]]:
+        trials.append(lowered_trial(*args))  # type: ignore[arg-type]
+        return trials[-1]
+
+    monkeypatch.setattr(plan, "lowered_trial", kept)
+    return trials
+
+
+def _compiled_both_ways(monkeypatch: pytest.MonkeyPatch, **options: object) -> tuple[str, str]:
+    """The printed plan compiled with the trial's lowering handed on, and without."""
+    fast = api.compile(GPT, global_batch=64, **options)  # type: ignore[arg-type]
+    with monkeypatch.context() as patched:
+        patched.setattr(plan, "hand_over", lambda _trial: scale.hand_over(None))
+        again = api.compile(GPT, global_batch=64, **options)  # type: ignore[arg-type]
+    return print_module(fast.module), print_module(again.module)
+
+
+@pytest.mark.parametrize("name", ["uneven split, zb-h1", "tensor groups, round-robin, recompute", "interleaved"])
+def test_schedule_and_shapes_handed_on_give_the_plan_lowered_again(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uneven split replicas have shapes of their own (each its peak), tensor groups share theirs, interleaved
+    stages share devices: the plan lowered from the trial's schedule and shapes is the plan lowered afresh."""
+    taken = _taken(monkeypatch)
+    fast, again = _compiled_both_ways(monkeypatch, **PLANS[name])
+    assert taken == ["scheduled", "lowered", "freed"]
+    assert fast == again
+    module = parse_module(fast)
+    for program in module.programs:  # each peak that of the program's own shape, walked alone
+        alone = program_peak(module, program, Sizes(module), program_shape(module, program))
+        assert program.attrs.peak_bytes == alone.total, program.name
+
+
+@pytest.mark.parametrize(
+    ("plan_options", "schedule"),
+    [
+        ("stages=2,replication=round-robin,microbatches=8,schedule=1f1b", "schedule{kind=gpipe}"),
+        ("stages=2,replication=round-robin,microbatches=8", "schedule{microbatches=16}"),
+    ],
+)
+def test_a_schedule_asked_for_another_order_is_made_afresh(
+    plan_options: str, schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `schedule` pass asked for another kind or microbatch count than the plan's takes nothing of the trial: its
+    programs are those made without a hand-over."""
+    taken = _taken(monkeypatch)
+    options = dict(cluster=ROUND_ROBIN["cluster"], pipeline=_pipeline(plan_options, schedule))
+    fast, again = _compiled_both_ways(monkeypatch, **options)
+    assert taken[:2] == ["not scheduled", "not lowered"]
+    assert fast == again
+
+
+def test_a_trial_counts_no_peaks_and_notes_its_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trial `plan` simulates has no peaks (nothing reads them: the simulator walks memory itself), and notes a
+    shape for each program for `insert-frees` to count the plan's peaks by; the plan has every peak."""
+    trials = _kept_trials(monkeypatch)
+    module = api.compile(GPT, global_batch=64, **ROUND_ROBIN).module  # type: ignore[arg-type]
+    assert trials
+    for trial, notes in trials:
+        assert trial.programs and all(p.attrs.peak_bytes is None for p in trial.programs)
+        shapes = notes["shapes"]
+        assert isinstance(shapes, list) and len(shapes) == len(trial.programs)
+        assert not scale.is_trial(trial)
+    assert all(p.attrs.peak_bytes for p in module.programs)
+
+
+def test_a_trial_simulated_by_its_noted_shapes_is_the_trial_simulated_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator walks each program's memory by the shape the trial's `insert-frees` noted (`plan` hands them
+    to `predict`): uneven split replicas each of a shape of their own, the prediction of the shapes worked out
+    afresh."""
+    trials = _kept_trials(monkeypatch)
+    options = PLANS["uneven split, zb-h1"]
+    api.compile(GPT, global_batch=64, **options)  # type: ignore[arg-type]
+    cluster = resolve_cluster(str(options["cluster"]))
+    assert trials
+    for trial, notes in trials:
+        shapes = notes["shapes"]
+        assert isinstance(shapes, list)
+        prices = OpPrices(trial, cluster)
+        alone = simulator.predict(trial, cluster=cluster, prices=prices)
+        assert simulator.predict(trial, cluster=cluster, prices=prices, shapes=shapes) == alone
+
+
+def test_noted_lowerings_are_refused_where_the_programs_are_not_the_trials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lowered` and `freed` compare the programs with what the trial's passes noted: the trial's compute
+    instructions, then its communication; an instruction alike but not the trial's own, or another, is refused."""
+    handed: list[scale.TrialLowering] = []
+
+    def kept(trial: scale.TrialLowering | None) -> None:
+        assert trial is not None and {"schedule", "lowered", "shapes"} <= set(trial.notes)
+        handed.append(trial)
+        scale.hand_over(trial)
+
+    monkeypatch.setattr(plan, "hand_over", kept)
+    module = api.compile(GPT, global_batch=64, **ROUND_ROBIN).module  # type: ignore[arg-type]
+    (trial,) = handed
+    compute, lowered = trial.notes["schedule"][1], trial.notes["lowered"]  # type: ignore[index]
+    assert isinstance(lowered, list)
+    for program, instrs in zip(module.programs, compute, strict=True):
+        program.instrs = list(instrs)
+    assert trial.lowered(module) == lowered
+    program = module.programs[-1]
+    program.instrs[0] = dataclasses.replace(program.instrs[0], mb=(program.instrs[0].mb or 0) + 1)
+    assert trial.lowered(module) is None
+    program.instrs[0] = dataclasses.replace(compute[-1][0])  # alike, compared field by field
+    assert trial.lowered(module) == lowered
+    for program, instrs in zip(module.programs, lowered, strict=True):
+        program.instrs = list(instrs)
+    assert trial.freed(module) is not None
+    program.instrs[0] = dataclasses.replace(program.instrs[0])  # alike, but not the trial's own
+    assert trial.freed(module) is None
