@@ -169,11 +169,15 @@ class _Lowering:
         members = self.tensor_members()
         programs = self.module.programs
         out: list[RankProgram] = []
+        mapped: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
         for rank, p in enumerate(programs):
             lead = members[rank][0] if members is not None else rank
             if lead < rank and programs[lead].instrs == p.instrs:  # the very instructions of its group's lead
                 assert members is not None
-                instrs = self.as_member(out[lead].instrs, self.tensor_of[rank], members)
+                found = mapped.get(lead)
+                if found is None:
+                    found = mapped[lead] = _member_mapped(out[lead].instrs)
+                instrs = self.as_member(out[lead].instrs, found, self.tensor_of[rank], members)
             else:
                 instrs = self.lower(rank, p)
             out.append(RankProgram(p.name, instrs, dataclasses.replace(p.attrs)))
@@ -198,21 +202,26 @@ class _Lowering:
             members[rank] = group
         return members
 
-    def as_member(self, lead: list[Instr], k: int, members: dict[int, tuple[int, ...]]) -> list[Instr]:
-        """Member `k`'s lowered instructions from its lead's (`tensor_members`): each transfer with member k of the
-        lead's peer group, each collective over member k of each group in it (ascending, as `group` lists them); the
-        rest, the lead's very instructions (the group's sums included: the whole group runs them)."""
+    def as_member(
+        self,
+        lead: list[Instr],
+        mapped: list[tuple],  # type: ignore[type-arg]
+        k: int,
+        members: dict[int, tuple[int, ...]],
+    ) -> list[Instr]:
+        """Member `k`'s lowered instructions from its lead's (`tensor_members`; `mapped`: `_member_mapped(lead)`):
+        each transfer with member k of the lead's peer group, each collective over member k of each group in it
+        (ascending, as `group` lists them); the rest, the lead's very instructions (the group's sums included: the
+        whole group runs them)."""
         out = list(lead)
-        # Only transfers and collectives change: found without a Python call per instruction (a thousand ranks'
-        # programs are millions of them, mostly the group's sums).
-        for index in compress(count(), map(_MEMBER_MAPPED.__contains__, map(_KIND, lead))):
-            i = lead[index]
-            if i.kind is InstrKind.SEND or i.kind is InstrKind.RECV:
-                assert i.peer is not None
-                out[index] = Instr(i.kind, i.stage, i.value, i.grad, i.mb, members[i.peer][k], i.rows, i.group, i.param)
-            elif i.group is not None:
-                group = tuple(sorted(members[g][k] for g in i.group))
-                out[index] = Instr(i.kind, i.stage, i.value, i.grad, i.mb, i.peer, i.rows, group, i.param)
+        send, recv = InstrKind.SEND, InstrKind.RECV
+        for index, kind, stage, value, grad, mb, peer, rows, group, param in mapped:
+            if kind is send or kind is recv:
+                assert peer is not None
+                out[index] = Instr(kind, stage, value, grad, mb, members[peer][k], rows, group, param)
+            elif group is not None:
+                group = tuple(sorted(members[g][k] for g in group))
+                out[index] = Instr(kind, stage, value, grad, mb, peer, rows, group, param)
         return out
 
     def lower(self, rank: int, program: RankProgram) -> list[Instr]:
@@ -394,6 +403,20 @@ _KIND = attrgetter("kind._value_")
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
 _SHARD_REDUCE = InstrKind.REDUCE_SCATTER
+
+
+#: Every field of an instruction, in `Instr`'s order.
+_INSTR_FIELDS = attrgetter("kind", "stage", "value", "grad", "mb", "peer", "rows", "group", "param")
+
+
+def _member_mapped(lead: list[Instr]) -> list[tuple]:  # type: ignore[type-arg]
+    """(index, every field) of each of a lead's instructions that its tensor group's members hold with peers and
+    groups of their own (`as_member`): read once for all the members."""
+    # Found without a Python call per instruction (a thousand ranks' programs are millions of them, mostly the group's
+    # sums).
+    indices = list(compress(count(), map(_MEMBER_MAPPED.__contains__, map(_KIND, lead))))
+    read = map(_INSTR_FIELDS, map(lead.__getitem__, indices))
+    return [(index, *fields) for index, fields in zip(indices, read, strict=True)]
 
 
 def _add(out: list[Instr], instr: Instr) -> None:
