@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
 from functools import cache
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from dapple_ir import api
 from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.cluster.toml_file import resolve_cluster
-from dapple_ir.ir import InstrKind, Module
+from dapple_ir.ir import InstrKind, Module, RankProgram
 from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.sim import simulator
 from dapple_ir.sim.simulator import BACKWARD_INPUT_FRACTION, predict, simulate
@@ -165,3 +166,66 @@ def test_a_ranks_instructions_looked_at_are_those_at_the_places_asked() -> None:
         assert looked.instrs == [instrs[k] for k in looked.places]
         assert looked.fields == list(map(_FIELDS, looked.instrs))
         assert looked.grouped == {j for j, i in enumerate(looked.instrs) if i.group is not None}
+
+
+def _parts_read_whole(programs: list[RankProgram]) -> list[list[int]]:
+    """`independent_parts` from every instruction of every rank, a link per pair of ranks a transfer joins."""
+    from dapple_ir.ir import COLLECTIVE_KINDS
+    from dapple_ir.sim import parts
+
+    parent, on_link = list(range(len(programs))), dict[int, int]()
+    for rank, program in enumerate(programs):
+        for peer in {i.peer for i in program.instrs} - {None}:
+            assert peer is not None
+            parts._link_ranks(parent, on_link, rank, (min(rank, peer) * 1000 + max(rank, peer),))
+            parts._union(parent, rank, peer)
+        for instr in program.instrs:
+            for member in instr.group or () if instr.kind in COLLECTIVE_KINDS else ():
+                parts._union(parent, rank, member)
+    return parts._grouped(parent)
+
+
+def _member_changes(module: Module) -> Iterator[str]:
+    """The plan changed, in turn, at a member's own send, at a place it shares with its lead, and back."""
+    from dapple_ir.ir.verifier import HeldAlike
+
+    alike = HeldAlike(module.programs)
+    member, (lead, at) = next((k, h) for k in range(len(module.programs)) if (h := alike.find(k)) is not None)
+    instrs = module.programs[member].instrs
+    plane = module.programs[member].attrs.tensor_rank
+    other = next(r for r, p in enumerate(module.programs) if p.attrs.tensor_rank != plane)
+    shared = next(k for k in range(len(instrs)) if k not in at)
+    yield "as compiled"
+    for where, k, change, in_place in (
+        ("own place sends to another plane", at[-1], dict(kind=InstrKind.SEND, peer=other), False),
+        ("shared place sends", shared, dict(kind=InstrKind.SEND, peer=other), False),
+        ("shared place allreduces", shared, dict(kind=InstrKind.ALLREDUCE, group=(member, other)), False),
+        ("lead and member send, in place", shared, dict(kind=InstrKind.SEND, peer=other), True),
+        ("lead and member allreduce, in place", shared, dict(kind=InstrKind.ALLREDUCE, group=(member, other)), True),
+    ):
+        was = instrs[k]
+        instrs[k] = was if in_place else dataclasses.replace(was)
+        before = {name: getattr(was, name) for name in change}
+        for name, value in change.items():
+            setattr(instrs[k], name, value)
+        yield where
+        for name, value in before.items():
+            setattr(was, name, value)
+        instrs[k] = was
+    assert lead < member
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_independent_parts_read_at_a_members_own_places_are_those_read_whole(name: str) -> None:
+    """`independent_parts` reads a member's peers and collectives where it holds instructions of its own (and where
+    its lead names a peer or joins a collective): the parts of every instruction read, whatever the member holds."""
+    from dapple_ir.sim.parts import independent_parts
+
+    module = copy.deepcopy(_compiled(name))
+    programs = module.programs
+    joined = 0
+    for where in _member_changes(module):
+        found = independent_parts(programs, lambda a, b: (min(a, b) * 1000 + max(a, b),), lambda _instr: [])
+        assert found == _parts_read_whole(programs), where
+        joined += len(found) < len(_parts_read_whole(_compiled(name).programs))
+    assert joined == 5

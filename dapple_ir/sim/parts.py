@@ -20,12 +20,13 @@ check says which parts a check of the programs against each other (the deadlock 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, repeat
 from operator import attrgetter, is_, is_not
 
 from dapple_ir.ir import COLLECTIVE_KINDS, Instr, InstrKind, RankProgram
+from dapple_ir.ir.verifier import HeldAlike, picked
 
 _TENSOR = InstrKind.TENSOR_ALLREDUCE
 #: An instruction's kind by its text, its peer, its group: read for millions of instructions without a Python call each.
@@ -46,20 +47,43 @@ def independent_parts(
     caller's to join (`join`)."""
     parent = list(range(len(programs)))
     on_link: dict[int, int] = {}
-    for rank, program in enumerate(programs):
-        instrs = program.instrs
-        # Each peer once, and the collectives alone: a thousand ranks' programs are millions of instructions. A rank
-        # that only receives from a peer is given the links of a send to it too: a part may only grow by that.
-        for peer in set(map(_PEER, instrs)) - {None}:
+    for rank, (peers, collectives) in enumerate(_meetings(programs)):
+        # Each peer once, and the collectives alone. A rank that only receives from a peer is given the links of a
+        # send to it too: a part may only grow by that.
+        for peer in peers:
             _link_ranks(parent, on_link, rank, route(rank, peer))
             _union(parent, rank, peer)
-        for instr in compress(instrs, map(_COLLECTIVE.__contains__, map(_KIND, instrs))):
+        for instr in collectives:
             assert instr.group is not None
             for member in instr.group:
                 _union(parent, rank, member)
             for links in ring_routes(instr):
                 _link_ranks(parent, on_link, rank, links)
     return _grouped(parent)
+
+
+def _meetings(programs: Sequence[RankProgram]) -> Iterator[tuple[set[int], list[Instr]]]:
+    """Each program's peers and its collectives, found without a Python call per instruction (a thousand ranks'
+    programs are millions of them). A program that holds an earlier one's very instructions but at a few places
+    (`HeldAlike`: a tensor group's member) holds the other's elsewhere: read there at the other's places that name a
+    peer or join a collective alone."""
+    alike = HeldAlike(programs)
+    places: dict[int, tuple[list[int], list[int]]] = {}
+    for index, program in enumerate(programs):
+        instrs = program.instrs
+        found = alike.find(index)
+        if found is None:
+            named = list(compress(count(), map(is_not, map(_PEER, instrs), repeat(None))))
+            joined = list(compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, instrs))))
+            places[index] = (named, joined)
+            yield {instrs[k].peer for k in named}, [instrs[k] for k in joined]  # type: ignore[misc]
+            continue
+        other, at = found
+        own, (named, joined) = set(at), places[other]
+        mine = picked(instrs, at)
+        peers = set(map(_PEER, mine)) - {None} | {instrs[k].peer for k in named if k not in own}
+        collectives = [i for i in mine if i.kind._value_ in _COLLECTIVE] + [instrs[k] for k in joined if k not in own]
+        yield peers, collectives  # type: ignore[misc]
 
 
 def join(parts: list[list[int]], together: Sequence[Sequence[int]]) -> list[list[int]]:
