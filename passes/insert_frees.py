@@ -76,17 +76,37 @@ def _with_shapes(
     # and reads apart (rows, replica): where those match too, the shape is worked out once.
     shapes: dict[tuple[object, ...], tuple[object, ...]] = {}
     keys: list[tuple[object, ...]] = []
-    for program in module.programs:
+    found: list[list[tuple[int, list[Instr]]]] = []
+    leads = _leads(module) if add_frees else {}
+    for k, program in enumerate(module.programs):
         if not add_frees:
             keys.append(program_shape(module, program))
             continue
+        lead = leads.get(k)
+        if lead is not None:  # its lead's but for peers and groups, which neither frees nor shapes read
+            found.append(found[lead])
+            program.instrs = _spliced(_unfreed(program), found[lead])
+            keys.append(keys[lead])
+            continue
         program.instrs, points = _with_frees(program, readers, definers, made)
+        found.append(points)
         same = (id(points), program.attrs.replica, tuple(map(_ROWS, program.instrs)))
         key = shapes.get(same)
         if key is None:
             key = shapes[same] = program_shape(module, program)
         keys.append(key)
     return keys
+
+
+def _leads(module: Module) -> dict[int, int]:
+    """In a trial (`ir.scale.noting`) whose programs are what its `lower-comm` made: the lead of each tensor-group
+    member lowered from its lead's instructions (`lowering.as_member`: peers and groups its own, the rest the lead's);
+    else none."""
+    leads, lowered = scale.noted(module, "leads"), scale.noted(module, "lowered")
+    if not isinstance(leads, dict) or not isinstance(lowered, list):
+        return {}
+    # Instructions compare equal only to themselves: this compares identities, element by element, in C.
+    return leads if [p.instrs for p in module.programs] == lowered else {}
 
 
 def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:
@@ -108,12 +128,22 @@ def _with_frees(
 ) -> tuple[list[Instr], list[tuple[int, list[Instr]]]]:
     """The program's instructions with its frees, and where those go (`made`'s entry: shared by the programs whose
     instructions `_FREES_READ` reads alike, which get the very same free instructions)."""
-    free_kind = InstrKind.FREE  # kinds compare by identity: hashing an enum member runs Python code
-    instrs = [i for i in program.instrs if i.kind is not free_kind]
+    instrs = _unfreed(program)
     key = tuple(map(_FREES_READ, instrs))
     points = made.get(key)
     if points is None:
         points = made[key] = _free_points(program, instrs, readers, definers)
+    return _spliced(instrs, points), points
+
+
+def _unfreed(program: RankProgram) -> list[Instr]:
+    """The program's instructions less any frees."""
+    free_kind = InstrKind.FREE  # kinds compare by identity: hashing an enum member runs Python code
+    return [i for i in program.instrs if i.kind is not free_kind]
+
+
+def _spliced(instrs: list[Instr], points: list[tuple[int, list[Instr]]]) -> list[Instr]:
+    """`instrs` with each list of frees in `points` put in before the instruction at its index."""
     out: list[Instr] = []
     start = 0
     for at, frees in points:
@@ -121,7 +151,7 @@ def _with_frees(
         out += frees
         start = at
     out += instrs[start:]
-    return out, points
+    return out
 
 
 #: What of each instruction decides where the frees go: not the peers, rows or groups.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dapple_ir.analysis.lowering import lowered_programs
+from dapple_ir.analysis.lowering import lowered_with_leads
 from dapple_ir.errors import ScheduleError
 from dapple_ir.ir import Module, scale
 from dapple_ir.registry import Pass, PassContext, register_pass
@@ -29,10 +29,13 @@ class LowerComm(Pass):
         handed = scale.handed(module)
         with scale.collector_paused():  # a thousand ranks' programs are millions of instructions
             taken = handed.lowered(module) if handed is not None else None
+        leads: dict[int, int] = {}
         if taken is None:
             scale.hand_over(None)  # the programs are not the trial's: no pass after this one could take it
-            taken = [lowered.instrs for lowered in lowered_programs(module)]
+            programs, leads = lowered_with_leads(module)
+            taken = [lowered.instrs for lowered in programs]
         for program, instrs in zip(module.programs, taken, strict=True):
             program.instrs = instrs
         if scale.is_trial(module):  # what the plan's `lower-comm` may take, and `insert-frees` compare with
             scale.note(module, "lowered", [list(instrs) for instrs in taken])
+            scale.note(module, "leads", leads)

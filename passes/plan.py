@@ -144,10 +144,15 @@ def simulated(
     trial: Module, problem: Problem, prices: OpPrices, notes: dict[str, object] | None = None
 ) -> tuple[float, float]:
     """(iteration time, worst peak bytes) the simulator predicts for a lowered `trial` of `problem`, its ops priced by
-    `prices`; its programs' shapes where its `insert-frees` noted them (`notes`)."""
-    shapes = (notes or {}).get("shapes")
-    cluster = problem.base_cluster or problem.cluster
-    return predict(trial, cluster=cluster, prices=prices, shapes=shapes if isinstance(shapes, list) else None)
+    `prices`; its programs' shapes and leads where its passes noted them (`notes`)."""
+    shapes, leads = (notes or {}).get("shapes"), (notes or {}).get("leads")
+    return predict(
+        trial,
+        cluster=problem.base_cluster or problem.cluster,
+        prices=prices,
+        shapes=shapes if isinstance(shapes, list) else None,
+        leads=leads if isinstance(leads, dict) else None,
+    )
 
 
 @dataclass

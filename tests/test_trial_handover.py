@@ -8,6 +8,7 @@ own: a shortcut taken where it should not be shows as another plan.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -16,14 +17,19 @@ import pytest
 from dapple_ir import api
 from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
 from dapple_ir.cluster.toml_file import resolve_cluster
-from dapple_ir.ir import Module, scale
+from dapple_ir.ir import InstrKind, Module, RankProgram, scale
 from dapple_ir.ir.parser import parse_module
 from dapple_ir.ir.printer import print_module
+from dapple_ir.pass_manager import PassManager, build_pipeline
 from dapple_ir.passes import plan
 from dapple_ir.pricing.ops import OpPrices
+from dapple_ir.registry import PassContext, lookup_pass
 from dapple_ir.sim import simulator
-from tests.test_compile_scale import GPT, PLANS
+from tests.test_compile_scale import GPT, PLANS, _fields
 
+ZB_TENSOR_GROUPS = dict(
+    cluster="2x8xA100-80GB", stages=2, tensor_parallel=2, data_parallel=2, schedule="zb-h1", microbatches=8
+)
 ROUND_ROBIN = dict(cluster="2x4xV100-16GB", stages=2, replication="round-robin", microbatches=8)
 
 
@@ -115,21 +121,25 @@ def test_a_trial_counts_no_peaks_and_notes_its_shapes(monkeypatch: pytest.Monkey
     assert all(p.attrs.peak_bytes for p in module.programs)
 
 
-def test_a_trial_simulated_by_its_noted_shapes_is_the_trial_simulated_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulator walks each program's memory by the shape the trial's `insert-frees` noted (`plan` hands them
-    to `predict`): uneven split replicas each of a shape of their own, the prediction of the shapes worked out
-    afresh."""
+@pytest.mark.parametrize("options", [PLANS["uneven split, zb-h1"], ZB_TENSOR_GROUPS])
+def test_a_trial_simulated_by_its_notes_is_the_trial_simulated_alone(
+    options: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator walks each program's memory by the shape the trial's `insert-frees` noted, and finds the
+    gradients sent on the programs that are no tensor-group member `lower-comm` lowered from its lead (`plan` hands
+    both to `predict`): uneven split replicas each of a shape of their own, zero-bubble tensor groups whose input
+    passes' share depends on the gradients sent; the prediction of all worked out afresh."""
     trials = _kept_trials(monkeypatch)
-    options = PLANS["uneven split, zb-h1"]
     api.compile(GPT, global_batch=64, **options)  # type: ignore[arg-type]
     cluster = resolve_cluster(str(options["cluster"]))
     assert trials
     for trial, notes in trials:
-        shapes = notes["shapes"]
-        assert isinstance(shapes, list)
+        shapes, leads = notes["shapes"], notes["leads"]
+        assert isinstance(shapes, list) and isinstance(leads, dict)
+        assert bool(leads) is ("tensor_parallel" in options)
         prices = OpPrices(trial, cluster)
         alone = simulator.predict(trial, cluster=cluster, prices=prices)
-        assert simulator.predict(trial, cluster=cluster, prices=prices, shapes=shapes) == alone
+        assert simulator.predict(trial, cluster=cluster, prices=prices, shapes=shapes, leads=leads) == alone
 
 
 def test_noted_lowerings_are_refused_where_the_programs_are_not_the_trials(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,3 +170,25 @@ def test_noted_lowerings_are_refused_where_the_programs_are_not_the_trials(monke
     assert trial.freed(module) is not None
     program.instrs[0] = dataclasses.replace(program.instrs[0])  # alike, but not the trial's own
     assert trial.freed(module) is None
+
+
+@pytest.mark.parametrize("lowered_as_given", [True, False])
+def test_a_trials_members_take_their_leads_frees_only_from_the_programs_lower_comm_made(lowered_as_given: bool) -> None:
+    """In a trial, `insert-frees` gives each tensor-group member the frees and shape of the lead `lower-comm` noted
+    for it, where the programs are the ones `lower-comm` noted: here every rank is said to be led by rank 0, which
+    is wrong, so frees found for each program afresh must not be those, unless the programs are what was noted."""
+    module = copy.deepcopy(api.compile(GPT, global_batch=64, **PLANS["tensor groups, split"]).module)  # type: ignore[arg-type]
+    free = InstrKind.FREE
+    for program in module.programs:
+        program.instrs = [i for i in program.instrs if i.kind is not free]
+    alone = dataclasses.replace(
+        module, programs=[RankProgram(p.name, list(p.instrs), dataclasses.replace(p.attrs)) for p in module.programs]
+    )
+    PassManager(build_pipeline("insert-frees")).run(alone, PassContext())
+    lowered = [list(p.instrs) for p in module.programs]
+    if not lowered_as_given:
+        lowered[-1] = [dataclasses.replace(i) for i in lowered[-1]]  # alike, not the very instructions
+    with scale.noting(module) as notes:
+        notes.update(leads=dict.fromkeys(range(1, len(module.programs)), 0), lowered=lowered)
+        lookup_pass("insert-frees").from_options({}).apply(PassContext(), module)
+    assert (_fields(module.programs) == _fields(alone.programs)) is not lowered_as_given

@@ -59,8 +59,15 @@ from dapple_ir.ir.scale import collector_paused
 
 def lowered_programs(module: Module) -> list[RankProgram]:
     """New programs: each rank's compute instructions with communication, allreduces and the step."""
+    return lowered_with_leads(module)[0]
+
+
+def lowered_with_leads(module: Module) -> tuple[list[RankProgram], dict[int, int]]:
+    """`lowered_programs`, and the lead of each tensor-group member lowered from its lead's instructions (`as_member`):
+    member rank -> lead rank, whose programs differ in peers and groups alone."""
     with collector_paused():
-        return _Lowering(module).run()
+        lowering = _Lowering(module)
+        return lowering.run(), lowering.leads
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +121,8 @@ class _Lowering:
         self.tensor_groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
         self.tensor_reduced: dict[tuple[Stage, InstrKind, int, int | None], list[Instr]] = {}
         self.reduces: dict[tuple[Stage, InstrKind], list[tuple[Op, bool]]] = {}
+        self.leads: dict[int, int] = {}
+        """Member rank -> the lead whose instructions `run` lowered it from (`as_member`)."""
 
     def peer(self, stage: Stage, replica: int, k: int = 0) -> int:
         key = (stage.name, replica % stage.replicas, k)
@@ -178,6 +187,7 @@ class _Lowering:
                 if found is None:
                     found = mapped[lead] = _member_mapped(out[lead].instrs)
                 instrs = self.as_member(out[lead].instrs, found, self.tensor_of[rank], members)
+                self.leads[rank] = lead
             else:
                 instrs = self.lower(rank, p)
             out.append(RankProgram(p.name, instrs, dataclasses.replace(p.attrs)))

@@ -148,6 +148,12 @@ def is_trial(module: Module) -> bool:
     return any(m is module for m, _ in _noting)
 
 
+def noted(module: Module, name: str) -> object:
+    """What a pass noted under `name` for the hand-over of `module`'s trial lowering (`note`), where it is one and a
+    pass did; else None."""
+    return next((notes.get(name) for trial, notes in _noting if trial is module), None)
+
+
 def note(module: Module, name: str, value: object) -> None:
     """Note `value` under `name` for the hand-over of `module`'s trial lowering, where it is one (else nothing)."""
     for trial, notes in _noting:

@@ -336,21 +336,30 @@ def simulate_each(
 
 
 def predict(
-    module: Module, *, cluster: ClusterSpec, prices: OpPrices, shapes: list[tuple[object, ...]] | None = None
+    module: Module,
+    *,
+    cluster: ClusterSpec,
+    prices: OpPrices,
+    shapes: list[tuple[object, ...]] | None = None,
+    leads: Mapping[int, int] | None = None,
 ) -> tuple[float, float]:
     """(`iteration_s`, the most of `peak_bytes`) of `simulate(module, cluster=cluster, prices=prices)`, what the planner
     ranks a candidate by, without the rest of the result (the timeline's curves, the critical path, the links).
-    `shapes`: each program's `peak_memory.program_shape`, where the caller has them (`insert-frees` notes a trial's)."""
+    Where the caller has them (`plan`, from what a trial's passes noted): `shapes`, each program's
+    `peak_memory.program_shape`; `leads`, rank -> the rank whose transfers it has but for their peers
+    (`lowering.as_member`)."""
     if not module.programs:
         result = simulate(module, cluster=cluster, prices=prices)  # says what is missing
         return result.iteration_s, max(result.peak_bytes, default=0.0)
-    fractions = _fractions(module, BACKWARD_INPUT_FRACTION)
+    fractions = _fractions(module, BACKWARD_INPUT_FRACTION, leads or {})
     with collector_paused():
         return _Simulator(module, cluster, fractions, prices, shapes).iteration_and_peak()
 
 
-def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage, float]:
-    """Each stage's `backward_input` share of its backward (see `simulate`)."""
+def _fractions(
+    module: Module, given: float | Mapping[str, float], leads: Mapping[int, int] | None = None
+) -> dict[Stage, float]:
+    """Each stage's `backward_input` share of its backward (see `simulate`; `leads`: see `predict`)."""
     named = dict(given) if isinstance(given, Mapping) else {}
     default = BACKWARD_INPUT_FRACTION if isinstance(given, Mapping) else given
     if not 0.0 <= default <= 1.0:
@@ -361,8 +370,11 @@ def _fractions(module: Module, given: float | Mapping[str, float]) -> dict[Stage
             raise DappleError(f"backward_input_fraction names stage @{name}, which module @{module.name} has not")
         if not 0.0 <= f <= 1.0:
             raise DappleError(f"backward_input_fraction of @{name} must lie in [0, 1], got {f}")
-    # A gradient goes back for a value where a program sends it: `lower-comm` sends what the runtime computes.
-    sent = {i.value for p in module.programs for i in p.instrs if i.kind is _SEND and i.grad}
+    # A gradient goes back for a value where a program sends it: `lower-comm` sends what the runtime computes. A
+    # program with its lead's transfers sends the values its lead sends.
+    leads = leads or {}
+    programs = [p for k, p in enumerate(module.programs) if k not in leads]
+    sent = {i.value for p in programs for i in p.instrs if i.kind is _SEND and i.grad}
     hands_back = {c.consumer for c in crossings(module) if c.value in sent}
     return {s: named.get(s.name, default if s in hands_back else 0.0) for s in module.stages}
 
