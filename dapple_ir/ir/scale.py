@@ -16,13 +16,17 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a block that makes or walks millions of lasting objects (the rank
     programs' instructions of a thousand ranks, a simulation of them): each full collection walks every object
     alive, and such a block sets off several, which took more time than the block's own work. Reference counting
-    still frees all that is not in a cycle; the collector runs again after the block."""
+    still frees all that is not in a cycle; the collector runs again after the block, with all it tracks counted old
+    (`gc.freeze` then `gc.unfreeze`: the oldest generation), so that its next collection of the young does not walk
+    each object the block made (seconds at a thousand ranks); cycles among them are freed by a full collection."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
