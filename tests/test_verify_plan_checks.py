@@ -13,11 +13,18 @@ import pytest
 
 from dapple_ir import api
 from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
-from dapple_ir.analysis.plan_checks import check_compute_order, check_memory, find_deadlock, run_plan_checks
+from dapple_ir.analysis.plan_checks import (
+    check_compute_order,
+    check_memory,
+    check_optimizer_steps,
+    find_deadlock,
+    run_plan_checks,
+)
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module, RankProgram
 from dapple_ir.ir.printer import Namer, format_instr
+from dapple_ir.ir.verifier import held_alike
 from dapple_ir.passes.verify import _meeting
 from tests.paths import ROOT
 
@@ -120,6 +127,25 @@ def _swap_tensor_ranks(module: Module) -> None:
     )
 
 
+def _last_backward_made_a_send(module: Module) -> None:
+    """The member holds a send where its lead holds its last backward: a place of its own where only the lead
+    computes."""
+    program = _member(module)
+    instrs = program.instrs = list(program.instrs)
+    last = max(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.BACKWARD)
+    instrs[last] = dataclasses.replace(instrs[last], kind=InstrKind.SEND)
+
+
+def _send_made_a_second_backward(module: Module) -> None:
+    """The member holds a copy of its last backward where its lead holds a send: a place of its own where only the
+    member computes."""
+    program = _member(module)
+    instrs = program.instrs = list(program.instrs)
+    last = max(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.BACKWARD)
+    send = next(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.SEND)
+    instrs[send] = dataclasses.replace(instrs[last])
+
+
 BREAKS: dict[str, Callable[[Module], None]] = {
     "as compiled": lambda _m: None,
     "a member runs a backward before its forward": _swap_first_backward_and_forward,
@@ -127,20 +153,84 @@ BREAKS: dict[str, Callable[[Module], None]] = {
     "a member misses a microbatch": _drop_a_microbatch,
     "a member claims another replica": _claim_another_replica,
     "two members trade tensor ranks": _swap_tensor_ranks,
+    "a member holds a send where its lead computes": _last_backward_made_a_send,
+    "a member computes where its lead sends": _send_made_a_second_backward,
 }
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["alone", "held alike"])
 @pytest.mark.parametrize("name", list(BREAKS))
-def test_compute_order_agrees_with_a_walk_over_every_instruction(name: str) -> None:
+def test_compute_order_agrees_with_a_walk_over_every_instruction(name: str, held: bool) -> None:
+    """Also given what each member holds of its lead's (`held_alike`, as `run_plan_checks` gives it)."""
     module = copy.deepcopy(_compiled())
     BREAKS[name](module)
+    given = held_alike(module.programs) if held else None
     expected = _order_walked_whole(module)
     if expected is None:
-        check_compute_order(module)
+        check_compute_order(module, given)
         return
     with pytest.raises(VerifyError) as caught:
-        check_compute_order(module)
+        check_compute_order(module, given)
     assert str(caught.value).startswith(expected)
+
+
+def _step_before_last_computation(module: Module) -> None:
+    program = _member(module)
+    instrs = program.instrs = list(program.instrs)
+    step = next(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.OPTIMIZER_STEP)
+    last = max(i for i, instr in enumerate(instrs) if instr.kind in COMPUTE_KINDS)
+    instrs.insert(last, instrs.pop(step))
+
+
+def _second_step(module: Module) -> None:
+    """The member holds its step again where its lead holds a send."""
+    program = _member(module)
+    instrs = program.instrs = list(program.instrs)
+    send = next(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.SEND)
+    instrs[send] = next(i for i in instrs if i.kind is InstrKind.OPTIMIZER_STEP)
+
+
+def _compute_after_an_early_step(module: Module) -> None:
+    """Lead and member take their (shared) step right after their last computation, and the member computes again
+    where its lead sends or reduces after that."""
+    member = _member(module)
+    held = held_alike(module.programs)[module.programs.index(member)]
+    assert held is not None
+    lead = module.programs[held[0]]
+    for program in (lead, member):
+        instrs = program.instrs = list(program.instrs)
+        step = instrs.pop(next(i for i, instr in enumerate(instrs) if instr.kind is InstrKind.OPTIMIZER_STEP))
+        instrs.insert(max(i for i, instr in enumerate(instrs) if instr.kind in COMPUTE_KINDS) + 1, step)
+    at = next(i for i, instr in enumerate(member.instrs) if instr.kind is InstrKind.OPTIMIZER_STEP)
+    own = next(i for i in range(at + 1, len(member.instrs)) if member.instrs[i] is not lead.instrs[i])
+    member.instrs[own] = dataclasses.replace(member.instrs[at - 1])
+
+
+def _last_computation_made_a_send(module: Module) -> None:
+    """The member's last computation becomes a send: a place of its own where its lead computes."""
+    program = _member(module)
+    instrs = program.instrs = list(program.instrs)
+    last = max(i for i, instr in enumerate(instrs) if instr.kind in COMPUTE_KINDS)
+    instrs[last] = dataclasses.replace(instrs[last], kind=InstrKind.SEND)
+
+
+@pytest.mark.parametrize(
+    "change", [_step_before_last_computation, _second_step, _last_computation_made_a_send, _compute_after_an_early_step]
+)
+def test_a_members_optimizer_step_is_checked_where_it_differs_from_its_leads(change: Callable[[Module], None]) -> None:
+    """`check_optimizer_steps` given `held_alike` says what it says without, naming the member."""
+    module = copy.deepcopy(_compiled())
+    change(module)
+    messages = []
+    for given in (held_alike(module.programs), None):
+        try:
+            check_optimizer_steps(module, given)
+            messages.append("passes")
+        except VerifyError as exc:
+            messages.append(str(exc))
+    assert messages[0] == messages[1]
+    if change is not _last_computation_made_a_send:
+        assert f"rank {_member(module).rank}" in messages[0]
 
 
 def test_a_member_whose_receive_never_comes_deadlocks() -> None:

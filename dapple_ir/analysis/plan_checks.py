@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Hashable, Sequence
-from itertools import compress, count
+from collections.abc import Collection, Hashable, Sequence
+from itertools import chain, compress, count
 from operator import attrgetter
 
 from dapple_ir.analysis.peak_memory import Sizes, hosted_stages, program_peak, program_shape
@@ -20,7 +20,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.ir.printer import Namer, format_instr
-from dapple_ir.ir.verifier import HeldAlike, picked
+from dapple_ir.ir.verifier import Held, held_alike, picked
 
 
 def run_plan_checks(
@@ -32,7 +32,8 @@ def run_plan_checks(
     where they find a problem, on every rank, to name the first."""
     if not module.programs:
         return
-    check_compute_order(module)
+    held = held_alike(module.programs)  # what a tensor group's members hold of their lead's: read once for all checks
+    check_compute_order(module, held)
     kinds = _kinds_that_decide(module.programs)
     if kinds & _MEETS:
         problem = find_deadlock(module.programs, module, meeting) if meeting is not None else "unknown"
@@ -42,12 +43,12 @@ def run_plan_checks(
             raise VerifyError(f"verify: the programs deadlock: {problem}")
     if InstrKind.FREE.value in kinds:
         # Each program's shape, worked out once for both checks (a walk over each of a thousand ranks' programs).
-        shapes = program_shapes(module)
+        shapes = program_shapes(module, held)
         check_frees(module, shapes)
         if cluster:
             check_memory(module, cluster, shapes)
     if kinds & {kind.value for kind in _LOWERED}:
-        check_optimizer_steps(module)
+        check_optimizer_steps(module, held)
 
 
 def _kinds_that_decide(programs: list[RankProgram]) -> set[str]:
@@ -62,18 +63,18 @@ def _kinds_that_decide(programs: list[RankProgram]) -> set[str]:
     return kinds
 
 
-def program_shapes(module: Module) -> list[int]:
+def program_shapes(module: Module, held: Sequence[Held] | None = None) -> list[int]:
     """A label of each program's `program_shape`, equal where the shapes are equal and only there. A program that
     holds the very instructions of an earlier one but at a few places (`HeldAlike`: a tensor group's member) has the
     other's shape where the instructions at those places have the other's there, microbatches as they are (so the
-    same numbering of them); every other program's shape is worked out."""
+    same numbering of them); every other program's shape is worked out. `held`: `held_alike` of the programs, where
+    the caller has it."""
     labels: list[int] = []
     known: dict[tuple[object, ...], int] = {}
-    alike = HeldAlike(module.programs)
+    held = held if held is not None else held_alike(module.programs)
     # The other's instructions at the places asked last, and their shape: a tensor group's members ask the same.
     theirs: dict[int, tuple[list[int], tuple[object, ...]]] = {}
-    for index, program in enumerate(module.programs):
-        found = alike.find(index)
+    for program, found in zip(module.programs, held, strict=True):
         if found is None:
             labels.append(known.setdefault(program_shape(module, program), len(known)))
             continue
@@ -103,11 +104,15 @@ _COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 _MEETS = _COLLECTIVE | {InstrKind.SEND.value, InstrKind.RECV.value}
 
 
-def check_optimizer_steps(module: Module) -> None:
+def check_optimizer_steps(module: Module, held: Sequence[Held] | None = None) -> None:
     """A lowered rank that computes ends its step with exactly one optimizer step, after its last
-    forward or backward (else its parameters never change, or change from half a step's gradients)."""
+    forward or backward (else its parameters never change, or change from half a step's gradients). `held`:
+    `held_alike` of the programs, where the caller has it: a rank that holds an earlier one's very instructions but
+    at places where neither holds a computation or an optimizer step passes as that one did."""
     step = InstrKind.OPTIMIZER_STEP.value
-    for program in module.programs:
+    for index, program in enumerate(module.programs):
+        if held is not None and _alike_at(module.programs, index, held[index], _COMPUTE | {step}):
+            continue
         kinds = list(map(_KIND, program.instrs))
         # The last computation, looked for from the end (where it is, before the collectives and the step): a walk
         # over every instruction of a thousand ranks takes seconds.
@@ -128,6 +133,16 @@ def check_optimizer_steps(module: Module) -> None:
             )
 
 
+def _alike_at(programs: list[RankProgram], index: int, found: Held, kinds: Collection[str]) -> bool:
+    """Whether program `index` holds the very instructions of an earlier one (`found`: `held_alike`'s) but at places
+    where neither holds an instruction of `kinds`."""
+    if found is None:
+        return False
+    other, at = found
+    own = chain(picked(programs[index].instrs, at), picked(programs[other].instrs, at))
+    return not any(map(kinds.__contains__, map(_KIND, own)))
+
+
 def _where(module: Module | None, program: RankProgram, index: int) -> str:
     namer = Namer(module.ops if module else [])
     return f"rank {program.rank} instruction {index} `{format_instr(program.instrs[index], namer)}`"
@@ -142,9 +157,11 @@ def _where(module: Module | None, program: RankProgram, index: int) -> str:
 _Walked = tuple[set[tuple[Stage, int]], dict[tuple[Stage, int, int], list[InstrKind]], dict[Stage, int], bool]
 
 
-def check_compute_order(module: Module) -> None:
+def check_compute_order(module: Module, held: Sequence[Held] | None = None) -> None:
     """Each stage runs each microbatch's forward once, on the replica that owns it, then its backward once (on every
-    member of the replica's tensor group, `StageAttrs.tp`)."""
+    member of the replica's tensor group, `StageAttrs.tp`). `held`: `held_alike` of the programs, where the caller has
+    it: a rank that holds an earlier one's very instructions but at places where neither holds a computation runs the
+    other's computations."""
     m = module.attrs.microbatches or 0
     owner = {
         (name, p.attrs.replica or 0, p.attrs.tensor_rank or 0): index
@@ -158,9 +175,14 @@ def check_compute_order(module: Module) -> None:
     checked: dict[tuple[object, ...], _Walked] = {}
     walked: list[tuple[_Walked, int]] = []
     covered = 0
+    computed: list[tuple[Instr, ...]] = []
     for index, program in enumerate(module.programs):
-        instrs = program.instrs
-        computes = tuple(compress(instrs, map(_COMPUTE.__contains__, map(_KIND, instrs))))
+        found = held[index] if held is not None else None
+        if found is not None and _alike_at(module.programs, index, found, _COMPUTE):
+            computes = computed[found[0]]
+        else:
+            computes = tuple(compress(program.instrs, map(_COMPUTE.__contains__, map(_KIND, program.instrs))))
+        computed.append(computes)
         k = program.attrs.tensor_rank or 0
         shape = (program.attrs.replica or 0, computes)
         seen = checked.get(shape)

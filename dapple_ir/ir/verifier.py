@@ -446,7 +446,7 @@ class HeldAlike:
         self.firsts: dict[Instr, int] = {}
         """A few instructions (`_PROBES`) of each program held alike to no earlier one, to the program's index."""
 
-    def find(self, index: int) -> tuple[int, list[int]] | None:
+    def find(self, index: int) -> Held:
         """The earlier program whose instructions program `index` holds at all but at most half its places, with
         those places, ascending; None where there is none (then later programs may be held to this one). Asked of
         each program in order."""
@@ -465,6 +465,15 @@ class HeldAlike:
 
 
 _PROBES = 8
+
+Held = tuple[int, list[int]] | None
+"""`HeldAlike.find`'s answer: the earlier program and the places where this one holds instructions of its own."""
+
+
+def held_alike(programs: Sequence[RankProgram]) -> list[Held]:
+    """`HeldAlike.find` of each program, in order."""
+    alike = HeldAlike(programs)
+    return [alike.find(index) for index in range(len(programs))]
 
 
 _Columns = tuple[tuple[Any, ...], ...]
