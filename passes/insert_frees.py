@@ -85,7 +85,8 @@ def _with_shapes(
         lead = leads.get(k)
         if lead is not None:  # its lead's but for peers and groups, which neither frees nor shapes read
             found.append(found[lead])
-            program.instrs = _spliced(_unfreed(program), found[lead])
+            # `lower-comm` makes no frees (`lowering.lowered_with_leads`): its programs are taken as they are.
+            program.instrs = _spliced(program.instrs, found[lead])
             keys.append(keys[lead])
             continue
         program.instrs, points = _with_frees(program, readers, definers, made)

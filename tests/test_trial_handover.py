@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from dapple_ir import api
+from dapple_ir.analysis import lowering
 from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
 from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.ir import InstrKind, Module, RankProgram, scale
@@ -214,3 +215,12 @@ def test_what_a_collector_pause_made_is_old_after_it_and_its_cycles_still_freed(
     assert any(o is kept for o in gc.get_objects(generation=2))
     gc.collect()
     assert freed() is None
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_lower_comm_makes_no_frees(name: str) -> None:
+    """`insert-frees` takes a trial's tensor-group member from `lower-comm` as it is, its frees to be put in: the
+    lowering makes none, even of programs that have them."""
+    module = copy.deepcopy(api.compile(GPT, global_batch=64, **PLANS[name]).module)  # type: ignore[arg-type]
+    programs, _leads = lowering.lowered_with_leads(module)
+    assert all(i.kind is not InstrKind.FREE for p in programs for i in p.instrs)

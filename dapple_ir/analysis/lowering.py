@@ -64,7 +64,8 @@ def lowered_programs(module: Module) -> list[RankProgram]:
 
 def lowered_with_leads(module: Module) -> tuple[list[RankProgram], dict[int, int]]:
     """`lowered_programs`, and the lead of each tensor-group member lowered from its lead's instructions (`as_member`):
-    member rank -> lead rank, whose programs differ in peers and groups alone."""
+    member rank -> lead rank, whose programs differ in peers and groups alone. No program has a free (`insert-frees`
+    puts them in)."""
     with collector_paused():
         lowering = _Lowering(module)
         return lowering.run(), lowering.leads
