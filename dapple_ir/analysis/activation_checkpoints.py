@@ -75,11 +75,13 @@ def layer_block_starts(module: Module) -> frozenset[int]:
     return frozenset(k for k in range(1, len(starts)) if starts[k] != starts[k - 1])
 
 
-def segments(module: Module, stage: Stage) -> list[list[Op]]:
-    """The stage's ops in checkpoint segments, in order: one list when the module has no layers or no blocks."""
+def segments(module: Module, stage: Stage, starts: frozenset[int] | None = None) -> list[list[Op]]:
+    """The stage's ops in checkpoint segments, in order: one list when the module has no layers or no blocks.
+    `starts`: the module's `layer_block_starts`, where the caller has them (they read every op)."""
     if not module.layers:
         return [list(stage.ops)]
-    starts = layer_block_starts(module)
+    if starts is None:
+        starts = layer_block_starts(module)
     if not starts or module.attrs.schedule == "zb-h1":
         # zb-h1 splits a backward into an input and a weight pass: the rerun stays whole, held between them.
         return [list(stage.ops)]
@@ -95,10 +97,10 @@ def segments(module: Module, stage: Stage) -> list[list[Op]]:
     return found or [[]]
 
 
-def checkpoint_values(module: Module, stage: Stage) -> list[Op]:
+def checkpoint_values(module: Module, stage: Stage, starts: frozenset[int] | None = None) -> list[Op]:
     """Values made in one segment of the stage and read in a later one: what its forward keeps for the rerun,
     besides the model inputs it reads (`peak_memory.loaded_bytes`) and what it receives (held as transfers)."""
-    parts = segments(module, stage)
+    parts = segments(module, stage, starts)
     if len(parts) < 2:
         return []
     segment_of = {op: k for k, ops in enumerate(parts) for op in ops}
