@@ -45,11 +45,11 @@ def in_flight(schedule: str, stages_after: int, per_replica: int) -> int:
     min(S - s, M). Interleaved: twice 1F1B's, a count per stage for where one is priced alone (memory advice, a
     one-chunk interleaved candidate); the estimate of a V-chunk plan walks the order instead (`interleaved_held`).
     The two disagree: with one chunk per group the order holds min(M, 2 (S - s) - 1), one fewer than this rule, and
-    all M where M = P R (Megatron's all-forward warm-up), more than this rule on the later stages. Checked against the orders the schedules
-    build (`tests/test_pricing.py`): exact for gpipe, and for 1f1b wherever each replica keeps S - s in flight
-    (`schedules.warmups`); where the stage before warms up with fewer, which more replicas after fewer can cause, a
-    replica holds fewer (the rule is then an upper bound on its memory, and the pipeline recursion sees more overlap
-    than the order gives); zb-h1 stays within 1f1b's fullest rank."""
+    all M where M = P R (Megatron's all-forward warm-up), more than this rule on the later stages. Checked against
+    the orders the schedules build (`tests/test_pricing.py`): exact for gpipe, and for 1f1b wherever each replica
+    keeps S - s in flight (`schedules.warmups`); where the stage before warms up with fewer, which more replicas after
+    fewer can cause, a replica holds fewer (the rule is then an upper bound on its memory, and the pipeline recursion
+    sees more overlap than the order gives); zb-h1 stays within 1f1b's fullest rank."""
     if schedule == "gpipe":
         return per_replica
     if schedule == "interleaved":
