@@ -14,7 +14,6 @@ from dapple_ir.ir.parser import parse_pipeline
 from dapple_ir.ir.printer import print_module
 from dapple_ir.ir.scale import collector_paused
 from dapple_ir.ir.verifier import verify_module
-from dapple_ir.passes.verify import Verify
 from dapple_ir.plugins import load_builtins
 from dapple_ir.registry import Pass, PassContext, lookup_pass
 
@@ -66,7 +65,7 @@ class PassManager:
             self.timings.append((p.spec(), seconds))
             ctx.log(f"{p.name}: done in {seconds:.2f} s")
             done.append(p.spec())
-            if self.verify and not isinstance(p, Verify):  # it leaves unchanged what the manager verified before it
+            if self.verify and not p.verifies:  # it leaves unchanged what the manager verified before it
                 self.verify_after(module, f"pass '{p.spec()}'")
             if self.print_ir_after_all or p.name in self.print_ir_after:
                 self.out.write(f"// ----- IR after {p.spec()} -----\n{print_module(module)}")
@@ -78,8 +77,9 @@ class PassManager:
 
     def apply(self, p: Pass, ctx: PassContext, module: Module) -> None:
         """Run `p`. Where the manager verifies, it has verified the module right before (the input, or what the
-        pass before left: the `verify` pass leaves it unchanged), so the `verify` pass runs its plan checks alone."""
-        if self.verify and isinstance(p, Verify):
+        pass before left: a pass that `verifies` leaves it unchanged), so such a pass (`verify`) runs
+        `apply_verified`."""
+        if self.verify and p.verifies:
             p.apply_verified(ctx, module)
         else:
             p.apply(ctx, module)

@@ -72,10 +72,17 @@ class Pass(abc.ABC):
     """Base of all passes. Subclasses are frozen dataclasses whose fields are the options."""
 
     name: ClassVar[str] = ""
+    verifies: ClassVar[bool] = False
+    """True for a pass that runs `verify_module` itself and changes nothing (`verify`): a pass manager that verifies
+    after every pass runs its `apply_verified` instead, and verifies nothing after it."""
 
     @abc.abstractmethod
     def apply(self, ctx: PassContext, module: Module) -> None:
         """Change `module` in place; raise a `DappleError` that names the culprit when it cannot."""
+
+    def apply_verified(self, ctx: PassContext, module: Module) -> None:
+        """`apply` on a module `verify_module` has just passed, changed by nothing since; by default `apply`."""
+        self.apply(ctx, module)
 
     @classmethod
     def options(cls) -> list[dataclasses.Field]:  # type: ignore[type-arg]

@@ -23,6 +23,7 @@ class Verify(Pass):
     """Check the IR's invariants (SSA, types, stages; program deadlock, frees, memory) and stop at the first broken."""
 
     name = "verify"
+    verifies = True
 
     def apply(self, ctx: PassContext, module: Module) -> None:
         with collector_paused():  # a thousand ranks' programs are millions of instructions to walk
