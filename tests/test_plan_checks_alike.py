@@ -18,7 +18,7 @@ import pytest
 from dapple_ir.analysis.peak_memory import program_shape
 from dapple_ir.analysis.plan_checks import program_shapes
 from dapple_ir.ir import Instr, InstrKind, Module
-from dapple_ir.ir.verifier import HeldAlike
+from dapple_ir.ir.scale import HeldAlike
 from tests.test_compile_scale import _compiled
 
 _PLANS = ["tensor groups, round-robin, recompute", "tensor groups, split", "zero", "interleaved, recompute"]

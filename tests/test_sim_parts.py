@@ -187,7 +187,7 @@ def _parts_read_whole(programs: list[RankProgram]) -> list[list[int]]:
 
 def _member_changes(module: Module) -> Iterator[str]:
     """The plan changed, in turn, at a member's own send, at a place it shares with its lead, and back."""
-    from dapple_ir.ir.verifier import HeldAlike
+    from dapple_ir.ir.scale import HeldAlike
 
     alike = HeldAlike(module.programs)
     member, (lead, at) = next((k, h) for k in range(len(module.programs)) if (h := alike.find(k)) is not None)

@@ -19,7 +19,8 @@ import pytest
 
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import Instr, Module, verifier
-from dapple_ir.ir.verifier import HeldAlike, verify_module
+from dapple_ir.ir.scale import HeldAlike
+from dapple_ir.ir.verifier import verify_module
 from tests.test_compile_scale import _compiled, _first_problem_walked_whole
 
 _PLANS = ["tensor groups, round-robin, recompute", "tensor groups, split", "zero", "uneven split, zb-h1"]

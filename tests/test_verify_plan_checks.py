@@ -24,7 +24,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COMPUTE_KINDS, InstrKind, Module, RankProgram
 from dapple_ir.ir.printer import Namer, format_instr
-from dapple_ir.ir.verifier import held_alike
+from dapple_ir.ir.scale import held_alike
 from dapple_ir.passes.verify import _meeting
 from tests.paths import ROOT
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter
 from typing import Any
 
@@ -181,13 +182,11 @@ class Sizes:
     static: dict[tuple[Stage, ...], float] = field(default_factory=dict)
     shapes: dict[tuple[object, ...], _Shape] = field(default_factory=dict)
     """`posted_changes` of each program shape (`program_shape`): replicas of a stage share one."""
-    block_starts: list[frozenset[int]] = field(default_factory=list)
-    """The module's `activation_checkpoints.layer_block_starts`, once found (they read every op)."""
 
+    @cached_property
     def starts(self) -> frozenset[int]:
-        if not self.block_starts:
-            self.block_starts.append(activation_checkpoints.layer_block_starts(self.module))
-        return self.block_starts[0]
+        """The module's `activation_checkpoints.layer_block_starts`, found once (they read every op)."""
+        return activation_checkpoints.layer_block_starts(self.module)
 
     def activation(self, stage: Stage) -> float:
         return _memo(self.act, stage, lambda: memory.activation_bytes(self.module, stage.ops, stage.tp))
@@ -207,7 +206,7 @@ class Sizes:
         return _memo(self.kept, stage, lambda: self.loaded(stage) + self._checkpoints(stage))
 
     def _checkpoints(self, stage: Stage) -> float:
-        values = activation_checkpoints.checkpoint_values(self.module, stage, self.starts())
+        values = activation_checkpoints.checkpoint_values(self.module, stage, self.starts)
         return sum(self.transferred(v) for v in values)
 
     def rerun(self, stage: Stage) -> float:
@@ -219,7 +218,7 @@ class Sizes:
         module = self.module
         return max(
             max(0.0, memory.activation_bytes(module, ops, stage.tp) - _loaded_of(module, ops))
-            for ops in activation_checkpoints.segments(module, stage, self.starts())
+            for ops in activation_checkpoints.segments(module, stage, self.starts)
         )
 
     def transferred(self, value: Op) -> float:

@@ -20,7 +20,7 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.errors import VerifyError
 from dapple_ir.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Instr, InstrKind, Module, Op, RankProgram, Stage
 from dapple_ir.ir.printer import Namer, format_instr
-from dapple_ir.ir.verifier import Held, held_alike, picked
+from dapple_ir.ir.scale import Held, held_alike, picked
 
 
 def run_plan_checks(

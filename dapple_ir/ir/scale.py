@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from operator import attrgetter
+from itertools import compress, count
+from operator import attrgetter, is_not, itemgetter
 
 from dapple_ir.ir.core import COMPUTE_KINDS, Instr, InstrKind, Module, Op, Param, RankProgram, Stage
 
@@ -130,6 +131,51 @@ _fields_of = attrgetter(*(f.name for f in fields(Instr)))
 
 def _fields(instrs: list[Instr]) -> list[tuple[object, ...]]:
     return list(map(_fields_of, instrs))
+
+
+class HeldAlike:
+    """Programs that hold the very instruction objects of an earlier one at all but a few places (the members of a
+    tensor group hold their lead's computations, sums and frees: only their transfers and collectives are their
+    own). Whatever is found of the earlier one's instructions holds for such a program's at every other place."""
+
+    def __init__(self, programs: Sequence[RankProgram]) -> None:
+        self.programs = programs
+        self.firsts: dict[Instr, int] = {}
+        """A few instructions (`_PROBES`) of each program held alike to no earlier one, to the program's index."""
+
+    def find(self, index: int) -> Held:
+        """The earlier program whose instructions program `index` holds at all but at most half its places, with
+        those places, ascending; None where there is none (then later programs may be held to this one). Asked of
+        each program in order."""
+        instrs = self.programs[index].instrs
+        n = len(instrs)
+        probes = [instrs[n * k // _PROBES] for k in range(_PROBES)] if n else []
+        other = next((self.firsts[probe] for probe in probes if probe in self.firsts), None)
+        theirs = self.programs[other].instrs if other is not None else ()
+        if other is not None and len(theirs) == n:
+            at = list(compress(count(), map(is_not, instrs, theirs)))
+            if 2 * len(at) <= n:
+                return other, at
+        for probe in probes:
+            self.firsts.setdefault(probe, index)
+        return None
+
+
+_PROBES = 8
+
+Held = tuple[int, list[int]] | None
+"""`HeldAlike.find`'s answer: the earlier program and the places where this one holds instructions of its own."""
+
+
+def held_alike(programs: Sequence[RankProgram]) -> list[Held]:
+    """`HeldAlike.find` of each program, in order."""
+    alike = HeldAlike(programs)
+    return [alike.find(index) for index in range(len(programs))]
+
+
+def picked(instrs: list[Instr], places: list[int]) -> Sequence[Instr]:
+    """The instructions at `places`, picked without a Python call each."""
+    return itemgetter(*places)(instrs) if len(places) > 1 else [instrs[i] for i in places]
 
 
 _noting: list[tuple[Module, dict[str, object]]] = []

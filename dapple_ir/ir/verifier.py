@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count, repeat
-from operator import attrgetter, eq, is_, is_not, itemgetter
+from operator import attrgetter, eq, is_
 from typing import Any
 
 from dapple_ir.errors import VerifyError
@@ -33,6 +33,7 @@ from dapple_ir.ir import (
 )
 from dapple_ir.ir.printer import Namer, format_type, print_module
 from dapple_ir.ir.ranges import attr_problems, batch_problem, stage_cycle, type_problem
+from dapple_ir.ir.scale import HeldAlike, picked
 
 _CONTEXT_LINES = 3
 
@@ -436,52 +437,7 @@ class _Keyed:
         return True
 
 
-class HeldAlike:
-    """Programs that hold the very instruction objects of an earlier one at all but a few places (the members of a
-    tensor group hold their lead's computations, sums and frees: only their transfers and collectives are their
-    own). Whatever is found of the earlier one's instructions holds for such a program's at every other place."""
-
-    def __init__(self, programs: Sequence[RankProgram]) -> None:
-        self.programs = programs
-        self.firsts: dict[Instr, int] = {}
-        """A few instructions (`_PROBES`) of each program held alike to no earlier one, to the program's index."""
-
-    def find(self, index: int) -> Held:
-        """The earlier program whose instructions program `index` holds at all but at most half its places, with
-        those places, ascending; None where there is none (then later programs may be held to this one). Asked of
-        each program in order."""
-        instrs = self.programs[index].instrs
-        n = len(instrs)
-        probes = [instrs[n * k // _PROBES] for k in range(_PROBES)] if n else []
-        other = next((self.firsts[probe] for probe in probes if probe in self.firsts), None)
-        theirs = self.programs[other].instrs if other is not None else ()
-        if other is not None and len(theirs) == n:
-            at = list(compress(count(), map(is_not, instrs, theirs)))
-            if 2 * len(at) <= n:
-                return other, at
-        for probe in probes:
-            self.firsts.setdefault(probe, index)
-        return None
-
-
-_PROBES = 8
-
-Held = tuple[int, list[int]] | None
-"""`HeldAlike.find`'s answer: the earlier program and the places where this one holds instructions of its own."""
-
-
-def held_alike(programs: Sequence[RankProgram]) -> list[Held]:
-    """`HeldAlike.find` of each program, in order."""
-    alike = HeldAlike(programs)
-    return [alike.find(index) for index in range(len(programs))]
-
-
 _Columns = tuple[tuple[Any, ...], ...]
-
-
-def picked(instrs: list[Instr], places: list[int]) -> Sequence[Instr]:
-    """The instructions at `places`, picked without a Python call each."""
-    return itemgetter(*places)(instrs) if len(places) > 1 else [instrs[i] for i in places]
 
 
 def _columns(instrs: Sequence[Instr]) -> _Columns:

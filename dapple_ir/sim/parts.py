@@ -26,7 +26,7 @@ from itertools import compress, count, repeat
 from operator import attrgetter, is_, is_not
 
 from dapple_ir.ir import COLLECTIVE_KINDS, Instr, InstrKind, RankProgram
-from dapple_ir.ir.verifier import HeldAlike, picked
+from dapple_ir.ir.scale import HeldAlike, picked
 
 _TENSOR = InstrKind.TENSOR_ALLREDUCE
 #: An instruction's kind by its text, its peer, its group: read for millions of instructions without a Python call each.
@@ -73,9 +73,7 @@ def _meetings(programs: Sequence[RankProgram]) -> Iterator[tuple[set[int], list[
         instrs = program.instrs
         found = alike.find(index)
         if found is None:
-            named = list(compress(count(), map(is_not, map(_PEER, instrs), repeat(None))))
-            joined = list(compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, instrs))))
-            places[index] = (named, joined)
+            named, joined = places[index] = _meeting_places(instrs)
             yield {instrs[k].peer for k in named}, [instrs[k] for k in joined]  # type: ignore[misc]
             continue
         other, at = found
@@ -84,6 +82,14 @@ def _meetings(programs: Sequence[RankProgram]) -> Iterator[tuple[set[int], list[
         peers = set(map(_PEER, mine)) - {None} | {instrs[k].peer for k in named if k not in own}
         collectives = [i for i in mine if i.kind._value_ in _COLLECTIVE] + [instrs[k] for k in joined if k not in own]
         yield peers, collectives  # type: ignore[misc]
+
+
+def _meeting_places(instrs: list[Instr]) -> tuple[list[int], list[int]]:
+    """Where a program names a peer, and where it joins a collective: found without a Python call per instruction
+    (a thousand ranks' programs are millions of them)."""
+    named = list(compress(count(), map(is_not, map(_PEER, instrs), repeat(None))))
+    joined = list(compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, instrs))))
+    return named, joined
 
 
 def join(parts: list[list[int]], together: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -218,10 +224,8 @@ class CopyCheck:
         held to each of its copies' in turn), while the programs are unchanged (one `CopyCheck` per look at them)."""
         found = self.meets.get(rank)
         if found is None:
-            instrs = self.programs[rank].instrs
-            found = list(compress(count(), map(is_not, map(_PEER, instrs), repeat(None))))
-            found += compress(count(), map(_COLLECTIVE.__contains__, map(_KIND, instrs)))
-            self.meets[rank] = found
+            named, joined = _meeting_places(self.programs[rank].instrs)
+            found = self.meets[rank] = named + joined
         return found
 
     def same_route(
