@@ -263,6 +263,15 @@ def zero_bubble_h1(request: ScheduleRequest) -> dict[int, list[Work]]:
     return orders
 
 
+def zb_splits(request: ScheduleRequest) -> list[bool]:
+    """Per stage, does `zero_bubble_h1` split its backward? Only where splitting it with no weight pass deferred
+    holds no more than the fullest 1f1b rank: deferring one only holds its bytes longer, so where that does not fit,
+    no deferral does (`tests/test_schedules.py` checks this against the orders built)."""
+    ref = one_f_one_b(request)
+    cap = max(_replica_peak(ref[s], request, s) for s in range(request.stages))
+    return [_replica_peak(_zb_order(s, request, 0), request, s) <= cap for s in range(request.stages)]
+
+
 @register_schedule("interleaved")
 def interleaved(request: ScheduleRequest) -> dict[int, list[Work]]:
     """Megatron-style interleaved 1f1b: each group runs V virtual stages, P microbatches per round.

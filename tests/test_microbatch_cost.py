@@ -21,10 +21,10 @@ from dapple_ir.cluster.toml_file import resolve_cluster
 from dapple_ir.commands.calibrate import fit_fixed_s
 from dapple_ir.errors import DappleError
 from dapple_ir.frontend.profile_import import import_profile
-from dapple_ir.ir import Module
+from dapple_ir.ir import InstrKind, Module
 from dapple_ir.pass_manager import PassManager, build_pipeline
-from dapple_ir.passes.plan import lower_and_simulate
-from dapple_ir.planner.cost_model import Candidate, StageChoice, evaluate, problem_from_module
+from dapple_ir.passes.plan import lower_and_simulate, lowered_trial
+from dapple_ir.planner.cost_model import Candidate, Problem, StageChoice, evaluate, problem_from_module
 from dapple_ir.registry import PassContext
 from dapple_ir.sim.simulator import simulate
 from tests.paths import PROFILES
@@ -126,11 +126,19 @@ def test_ranks_sharing_cores_cannot_beat_the_cores_doing_all_the_work(tmp_path: 
             assert evaluate(problem, cand) == unshared
 
 
+def _split_by_the_schedule(module: Module, problem: Problem, cand: Candidate) -> list[bool]:
+    """Per stage of `cand`, whether its lowered program runs input passes (zb-h1 splits its backward)."""
+    trial, _notes = lowered_trial(module, problem, cand)
+    return [any(i.kind is InstrKind.BACKWARD_INPUT for i in p.instrs) for p in trial.programs]
+
+
 def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path) -> None:
     """Under zb-h1 the cost model adds `split_backward_overhead` c per weight op and `split_backward_per_byte` p per
-    byte of their parameters to the backward of every stage but the first (`cost_model.split_s`). Reference: the
-    same estimate with c = p = 0 and each such layer's backward c + p x its parameter bytes longer in its fixed
-    part (which does not scale with the microbatch). Other schedules pay nothing."""
+    byte of their parameters to the backward of every stage that splits it and hands a gradient back (not the first:
+    `Problem.split_s`). Reference: the same estimate with c = p = 0 and each such layer's backward c + p x its
+    parameter bytes longer in its fixed part (which does not scale with the microbatch), the split stages read from
+    the lowered programs (at M=1 the second stage's split would hold more than 1f1b's fullest rank: the schedule runs
+    its backward whole). Other schedules pay nothing."""
     module = _chain(tmp_path)
     plain = resolve_cluster("2xV100-16GB")
     c, p = 1e-3, 1e-6
@@ -144,27 +152,31 @@ def test_the_estimate_charges_a_split_backward_its_weight_passes(tmp_path: Path)
     assert problem.weight_ops == [1, 1, 1, 1]  # each imported layer has parameter bytes (1000)
     assert problem.weight_op_bytes == [1000.0] * 4
     stages = (StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,)))
-    extra = [0.0, 0.0, c + 1000 * p, c + 1000 * p]  # the second stage's two layers
-    by_hand = dataclasses.replace(
-        bare,
-        bwd_s=[t + x for t, x in zip(bare.bwd_s, extra, strict=True)],
-        bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, extra, strict=True)],
-    )
+    seen = set()
     for m in (1, 4, 16):
         zb = Candidate(stages, m, schedule="zb-h1")
+        split = _split_by_the_schedule(module, problem, zb)[1]
+        seen.add(split)
+        extra = [0.0, 0.0, *[(c + 1000 * p) * split] * 2]  # the second stage's two layers, where it splits
+        by_hand = dataclasses.replace(
+            bare,
+            bwd_s=[t + x for t, x in zip(bare.bwd_s, extra, strict=True)],
+            bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, extra, strict=True)],
+        )
         assert evaluate(problem, zb).iteration_s == pytest.approx(evaluate(by_hand, zb).iteration_s, rel=1e-12)
-        assert evaluate(problem, zb).iteration_s > evaluate(bare, zb).iteration_s
+        assert (evaluate(problem, zb).iteration_s > evaluate(bare, zb).iteration_s) == split
         for schedule in ("1f1b", "gpipe"):
             cand = Candidate(stages, m, schedule=schedule)
             assert evaluate(problem, cand).iteration_s == pytest.approx(evaluate(bare, cand).iteration_s, rel=1e-12)
+    assert seen == {False, True}
 
 
 def test_the_estimate_charges_the_hosts_work_per_instruction_and_message(tmp_path: Path) -> None:
     """Every stage pays `instruction_overhead` h per compute instruction and `message_overhead` q per send or
     receive (one each way per neighbouring stage) in every microbatch: on 2 stages each stage's forward and backward
-    are h + q longer, and under zb-h1 each stage's backward is two instructions (the first stage's input pass is
-    empty but runs), 2h + q. Reference: the same
-    estimate with h = q = 0 and those seconds added by hand to the fixed part of each stage's first layer."""
+    are h + q longer, and under zb-h1 the backward of each stage that splits it is two instructions (the first
+    stage's input pass is empty but runs), 2h + q. Reference: the same estimate with h = q = 0 and those seconds
+    added by hand to the fixed part of each stage's first layer, the split stages read from the lowered programs."""
     module = _chain(tmp_path)
     plain = resolve_cluster("2xV100-16GB")
     h, q = 1e-3, 3e-4
@@ -175,18 +187,18 @@ def test_the_estimate_charges_the_hosts_work_per_instruction_and_message(tmp_pat
     problem, bare = problem_from_module(module, priced, 64), problem_from_module(module, plain, 64)
     stages = (StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,)))
     for schedule in ("1f1b", "gpipe", "zb-h1"):
-        fwd_extra = [h + q, 0.0, h + q, 0.0]
-        calls = 2 if schedule == "zb-h1" else 1
-        bwd_extra = [calls * h + q, 0.0, calls * h + q, 0.0]
-        by_hand = dataclasses.replace(
-            bare,
-            fwd_s=[t + x for t, x in zip(bare.fwd_s, fwd_extra, strict=True)],
-            fwd_fixed_s=[t + x for t, x in zip(bare.fwd_fixed_s, fwd_extra, strict=True)],
-            bwd_s=[t + x for t, x in zip(bare.bwd_s, bwd_extra, strict=True)],
-            bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, bwd_extra, strict=True)],
-        )
         for m in (1, 4, 16):
             cand = Candidate(stages, m, schedule=schedule)
+            first, second = (1 + split for split in _split_by_the_schedule(module, problem, cand))
+            fwd_extra = [h + q, 0.0, h + q, 0.0]
+            bwd_extra = [first * h + q, 0.0, second * h + q, 0.0]
+            by_hand = dataclasses.replace(
+                bare,
+                fwd_s=[t + x for t, x in zip(bare.fwd_s, fwd_extra, strict=True)],
+                fwd_fixed_s=[t + x for t, x in zip(bare.fwd_fixed_s, fwd_extra, strict=True)],
+                bwd_s=[t + x for t, x in zip(bare.bwd_s, bwd_extra, strict=True)],
+                bwd_fixed_s=[t + x for t, x in zip(bare.bwd_fixed_s, bwd_extra, strict=True)],
+            )
             assert evaluate(problem, cand).iteration_s == pytest.approx(evaluate(by_hand, cand).iteration_s, rel=1e-12)
             assert evaluate(problem, cand).iteration_s > evaluate(bare, cand).iteration_s
 

@@ -20,6 +20,7 @@ reads compute instructions only and works on any program.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
@@ -92,14 +93,23 @@ def weight_pass_bytes(module: Module, stage: Stage) -> float:
 
 def weight_ops(module: Module, stage: Stage) -> list[Op]:
     """The ops of `stage` whose parameters a split backward reaches by a weight pass of their own
-    (`param_ops`). Empty where the stage hands no gradient back (none of its floating inputs comes from
-    another stage): its one weight pass is its whole backward."""
-    ops = set(stage.ops)
-    outside = (OpKind.INPUT, OpKind.GET_ATTR)
-    floating = memory.is_floating
-    if not any(v not in ops and v.kind not in outside and floating(v) for op in stage.ops for v in op.operands):
-        return []
-    return param_ops(module, stage.ops)
+    (`param_ops`). Empty where the stage hands no gradient back (`hands_back`): its one weight pass is its whole
+    backward."""
+    return param_ops(module, stage.ops) if hands_back(stage.ops, values_needing_grad(module)) else []
+
+
+def hands_back(ops: list[Op], needing_grad: AbstractSet[Op]) -> bool:
+    """Does a stage of `ops` send a gradient back (`gradient_reads`)?"""
+    return next(gradient_reads(ops, needing_grad), None) is not None
+
+
+def gradient_reads(ops: list[Op], needing_grad: AbstractSet[Op]) -> Iterator[Op]:
+    """The values made outside `ops` that `ops` read and that need a gradient (`stage_graph.values_needing_grad`,
+    what `lower-comm` sends gradients back for; an imported profile's opaque layer results among them): a stage
+    reading one hands a gradient back. Parameters and model inputs are every stage's own."""
+    own = set(ops)
+    local = (OpKind.INPUT, OpKind.GET_ATTR)
+    return (v for op in ops for v in op.operands if v not in own and v.kind not in local and v in needing_grad)
 
 
 def param_ops(module: Module, ops: list[Op]) -> list[Op]:

@@ -76,8 +76,9 @@ from dataclasses import dataclass
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.pricing.layers import Problem, op_roofline, problem_from_module, roofline_ops
-from dapple_ir.pricing.pipeline import in_flight, interleaved_held, replica_in_flight, stage_step
+from dapple_ir.pricing.pipeline import in_flight, interleaved_held, replica_in_flight, split_backwards, stage_step
 from dapple_ir.pricing.traffic import busiest, cut_crossings, cut_s
+from dapple_ir.schedules import StageMemory
 
 # The pricing layer's names the planner's callers know from here.
 __all__ = ["Problem", "in_flight", "op_roofline", "problem_from_module", "roofline_ops"]
@@ -307,6 +308,42 @@ def stage_memory(
     return static + held * _held_per_microbatch(problem, lo, hi, b, recompute) + rerun
 
 
+def split_stages(problem: Problem, cand: Candidate) -> list[bool]:
+    """Per stage of `cand`, does it run its backward as an input and a weight pass: under zb-h1, where the schedule
+    splits it (`pricing.pipeline.split_backwards`, its orders weighed in the problem's bytes)."""
+    if cand.schedule != "zb-h1":
+        return [False] * len(cand.stages)
+    return split_backwards(_runs(cand), cand.microbatches, _stage_bytes(problem, cand))
+
+
+def _runs(cand: Candidate) -> tuple[int, ...]:
+    """Each stage's replicas as the schedule orders them: a split stage's run every microbatch, as one."""
+    return tuple(1 if cand.splits(k) else st.replicas for k, st in enumerate(cand.stages))
+
+
+def _stage_bytes(problem: Problem, cand: Candidate) -> list[StageMemory]:
+    """What one microbatch of each stage of `cand` holds on its rank, in the problem's bytes, as
+    `peak_memory.stage_memory` counts a module's for the schedule to weigh its orders by."""
+    n, b = len(cand.stages), problem.microbatch_size(cand.microbatches)
+    found = []
+    for k, st in enumerate(cand.stages):
+        rows = stage_rows(b, st.replicas, cand.splits(k))
+        recompute = cand.recomputes(k)
+        later = cand.stages[k + 1] if k < n - 1 else None
+        sends_back = later is not None and problem.hands_back(later.lo, later.hi)
+        found.append(
+            StageMemory(
+                static=problem.static_of(st.lo, st.hi, st.replicas if cand.shards(k) else 1),
+                activation=_held_per_microbatch(problem, st.lo, st.hi, rows, recompute),
+                received=received_bytes(problem, st.lo, rows),
+                gradient=problem.cut_bytes[st.hi - 1] * rows / problem.batch if sends_back else 0.0,
+                weight_pass=problem.weight_pass_of(st.lo, st.hi, rows),
+                rerun=problem.rerun_bytes(st.lo, st.hi, rows) if recompute else 0.0,
+            )
+        )
+    return found
+
+
 def received_bytes(problem: Problem, lo: int, b: int) -> float:
     """Bytes a stage starting at layer `lo` receives per microbatch of b samples (0 for the first)."""
     return problem.cut_bytes[lo - 1] * b / problem.batch if lo > 0 else 0.0
@@ -330,8 +367,9 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     left_out, tied_rings = tied_allreduces(problem, cand)
     split = [cand.splits(k) for k in range(n)]
     held = replica_in_flight(cand.schedule, cand.replicas, split, cand.microbatches)
+    halves = split_stages(problem, cand)
     for s in range(n - 1, -1, -1):
-        price = stage_price(problem, cand, s, after, left_out[s], loads, held[s])
+        price = stage_price(problem, cand, s, after, left_out[s], loads, held[s], halves[s])
         after = price.g, price.r
         h = max(price.tail, h - (price.bwd + price.cut))
         busies[s], peaks[s] = price.busy, price.peak
@@ -378,10 +416,12 @@ def stage_price(
     left_out: float,
     loads: dict[int, float],
     warm: int,
+    halves: bool = False,
 ) -> StagePrice:
     """Stage s of `cand` priced with the stage after it (`after`: its (G, R), `pricing.pipeline.stage_step`),
     its cut's and ring's bytes added to `loads`; a replica holds `warm` microbatches at once
-    (`pricing.pipeline.replica_in_flight`)."""
+    (`pricing.pipeline.replica_in_flight`); `halves`: zb-h1 splits its backward (`pricing.pipeline.split_backwards`;
+    a zb-h1 stage that does not runs and is priced as 1f1b's)."""
     st, n, m = cand.stages[s], len(cand.stages), cand.microbatches
     b = problem.microbatch_size(m)
     # A split stage's replicas each run every microbatch on their rows, the busiest ceil(b / R).
@@ -391,13 +431,14 @@ def stage_price(
     bwd = pb[st.hi] - pb[st.lo]
     if cand.recomputes(s):
         bwd += fwd  # the forward reruns before the backward
-    if cand.schedule == "zb-h1" and s > 0:
+    schedule = "1f1b" if cand.schedule == "zb-h1" and not halves else cand.schedule
+    if halves:
         bwd += problem.split_s(st.lo, st.hi, st.devices)
-    # The host's own work per microbatch: each compute instruction (zb-h1 runs a backward as two, the first
+    # The host's own work per microbatch: each compute instruction (a split backward runs as two, the first
     # stage's too: an empty input pass), and a message each way per neighbouring stage.
     neighbours = (s > 0) + (s < n - 1)
     fwd += problem.host_s(st.devices, 1, neighbours)
-    bwd += problem.host_s(st.devices, 1 + (cand.schedule == "zb-h1"), neighbours)
+    bwd += problem.host_s(st.devices, 1 + halves, neighbours)
     per_replica = m if cand.splits(s) else -(-m // st.replicas)
     busy = per_replica * (fwd + bwd)
     c = late = 0.0
@@ -412,7 +453,7 @@ def stage_price(
     ring = problem.ring(st.devices)
     _add(loads, ring.crossings, ring.step_bytes(grads))
     tail = problem.gradient_tail_s(st.lo, st.hi, st.devices, grads, cand.shards(s))
-    g, r = stage_step(cand.schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
+    g, r = stage_step(schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
     shards = st.replicas if cand.shards(s) else 1
     peak = stage_memory(
         problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards, warm

@@ -22,7 +22,9 @@ card's load (it carries only the floor of each stage's own allreduce, a lower bo
 thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
 the links it shares with what crosses at once. It does not propose a stage with fewer replicas than
 the next one needs to warm up with (`pricing.pipeline.caps_warmup`: 1f1b would leave each of that
-stage's replicas fewer microbatches in flight than its S - s, and they starve). Outside those, the
+stage's replicas fewer microbatches in flight than its S - s, and they starve). Under zb-h1 it splits every
+stage's backward, where the schedule runs whole backwards on a stage whose split would hold more than 1f1b's fullest
+rank (`pricing.pipeline.split_backwards`: it needs the whole plan's bytes). Outside those, the
 DP's objective for its plan is `evaluate`'s iteration time (`tests/test_pricing.py`).
 """
 
@@ -227,8 +229,8 @@ class _Search:
         messages = (i > 0) + (j < self.layers)
         fwd = max(host_work_s(k, 1, messages) for k in group_kinds)
         bwd = max(host_work_s(k, 1 + self.zb, messages) for k in group_kinds)
-        if self.zb and i > 0:
-            ops, nbytes = problem.pw[j] - problem.pw[i], problem.pwb[j] - problem.pwb[i]
+        if self.zb:
+            ops, nbytes = problem.split_work(i, j)
             bwd += max(k.split_s(ops, nbytes) for k in group_kinds)
         grads = problem.grads_of(i, j)
         step = max(optimizer_step_s(k, grads, problem.state_factor) for k in group_kinds)

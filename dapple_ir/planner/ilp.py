@@ -134,7 +134,9 @@ def _prices(problem: Problem, microbatches: int, schedule: str) -> _Prices:
     # What the model leaves out, priced again exactly in the plan's estimate: a parameter several layers read
     # counts once per layer (prefix sums), the tied parameters' own allreduces and the core floor are not in
     # it, and the host's work, a split backward and the optimizer step are priced on the cluster's slowest
-    # kind (exact on clusters of one device kind).
+    # kind (exact on clusters of one device kind). Under zb-h1 every stage but the first splits its backward and
+    # hands a gradient back (`Problem.split_work`: not a stage whose inputs need none; `split_backwards`: not one
+    # whose split would hold more than 1f1b's fullest rank).
     kind = max(cluster.node_kinds, key=lambda k: (k.instruction_overhead, k.message_overhead, -k.mem_bandwidth))
     splits = zip(problem.pw, problem.pwb, strict=True)
     prefix = {

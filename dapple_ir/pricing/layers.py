@@ -28,7 +28,7 @@ from dapple_ir.analysis.memory import (
     sharded_state_saving,
     static_bytes,
 )
-from dapple_ir.analysis.peak_memory import param_ops
+from dapple_ir.analysis.peak_memory import gradient_reads, param_ops
 from dapple_ir.analysis.precision import (
     half_fraction,
     is_matmul_class,
@@ -36,7 +36,7 @@ from dapple_ir.analysis.precision import (
     precision_of,
     sixteen_bit_values,
 )
-from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched
+from dapple_ir.analysis.stage_graph import batch_dependent, batch_statistics, batched, values_needing_grad
 from dapple_ir.analysis.tensor_shards import backward_reduces, forward_reduces, summed_bytes
 from dapple_ir.cluster.roofline import OpRoofline, fixed_s
 from dapple_ir.cluster.spec import ClusterSpec
@@ -95,6 +95,13 @@ class Problem:
     stage that hands gradients back one more autograd pass (`DeviceKind.split_s`). Empty: none."""
     weight_op_bytes: list[float] = field(default_factory=list)
     """Per layer, the parameter bytes those ops read (the split's per-byte part). Empty: none."""
+    weight_pass_bytes: list[float] = field(default_factory=list)
+    """Per layer, at `batch`, the gradients a split backward keeps from its input pass to its weight pass (the
+    results of those ops, `peak_memory.weight_pass_bytes`). Empty: none."""
+    grad_sources: list[int] = field(default_factory=list)
+    """Per layer, the first layer whose result it reads needs a gradient (`peak_memory.hands_back`; itself where it
+    reads none from before it): a stage of layers [lo, hi) hands a gradient back when one of them reads such a
+    result from before lo. Empty: every stage but the first does."""
     tied: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     """Trainable parameters several layers read (a tied embedding and LM head): (bytes, the layers
     reading it). Each layer counts it in its `grad_bytes`; where the readers fall in different stages,
@@ -131,6 +138,7 @@ class Problem:
         self._models = list(models)
         self.pw = [0, *accumulate(self.weight_ops or [0] * len(self.fwd_s))]
         self.pwb = [0.0, *accumulate(self.weight_op_bytes or [0.0] * len(self.fwd_s))]
+        self.pwp = [0.0, *accumulate(self.weight_pass_bytes or [0.0] * len(self.fwd_s))]
         self.pa = [0.0, *accumulate(self.act_bytes)]
         self.ps = [0.0, *accumulate(self.static_bytes)]
         self.pg = [0.0, *accumulate(self.grad_bytes)]
@@ -223,11 +231,29 @@ class Problem:
         the slowest of `devices` (`pricing.host.host_work_s`)."""
         return max(host_work_s(self.cluster.device(d), instructions, messages) for d in devices)
 
+    def hands_back(self, lo: int, hi: int) -> bool:
+        """Does a stage of layers [lo, hi) send a gradient back (`grad_sources`, `peak_memory.hands_back`)? One that
+        does not runs its whole backward as its weight pass: it keeps nothing for it and pays no split."""
+        if not self.grad_sources:
+            return lo > 0
+        return min(self.grad_sources[lo:hi], default=lo) < lo
+
+    def split_work(self, lo: int, hi: int) -> tuple[int, float]:
+        """(weight ops, their parameter bytes) that splitting the backward of layers [lo, hi) into an input and a
+        weight pass (zb-h1) gives a pass of their own: none where the stage hands no gradient back."""
+        if not self.hands_back(lo, hi):
+            return 0, 0.0
+        return self.pw[hi] - self.pw[lo], self.pwb[hi] - self.pwb[lo]
+
     def split_s(self, lo: int, hi: int, devices: Sequence[int]) -> float:
-        """What splitting the backward of layers [lo, hi) into an input and a weight pass (zb-h1) adds: one
-        autograd pass per weight op and the bytes of their parameters, at the slowest device's `split_s`."""
-        ops, nbytes = self.pw[hi] - self.pw[lo], self.pwb[hi] - self.pwb[lo]
+        """What splitting the backward of layers [lo, hi) adds (`split_work`), at the slowest device's `split_s`."""
+        ops, nbytes = self.split_work(lo, hi)
         return max(self.cluster.device(d).split_s(ops, nbytes) for d in devices)
+
+    def weight_pass_of(self, lo: int, hi: int, rows: int) -> float:
+        """Bytes a split backward of layers [lo, hi) keeps from its input pass to its weight pass, for a microbatch
+        of `rows` samples (none where the stage hands no gradient back)."""
+        return (self.pwp[hi] - self.pwp[lo]) * rows / self.batch if self.hands_back(lo, hi) else 0.0
 
     def optimizer_s(self, lo: int, hi: int, devices: Sequence[int], sharded: bool = False) -> float:
         """The optimizer step over layers [lo, hi)'s parameters on the slowest of `devices`; `sharded` (ZeRO-1):
@@ -386,6 +412,8 @@ def problem_from_module(module: Module, cluster: ClusterSpec, global_batch: int,
         roofline=[tuple(priced[op] for op in layer.ops if op in priced) for layer in module.layers] if priced else [],
         weight_ops=[len(ops) for ops in weighted],
         weight_op_bytes=[module.param_bytes_of(ops) for ops in weighted],
+        weight_pass_bytes=[sum(op.out_bytes for op in ops) for ops in weighted],
+        grad_sources=_grad_sources(module),
         tied=_tied_layers(module),
         state_factor=state,
         unsplittable=frozenset(k for k, layer in enumerate(module.layers) if batch_statistics(layer.ops)),
@@ -503,6 +531,11 @@ def _merged(whole: Problem, bounds: list[int], **per_layer: Any) -> Problem:
             group_of[k] for k in whole.unsliceable if k + 1 in group_of and group_of[k + 1] != group_of[k]
         ),
         layer_map=tuple(bounds),
+        grad_sources=[
+            min((group_of[k] for k in whole.grad_sources[lo:hi]), default=g) for g, (lo, hi) in enumerate(groups)
+        ]
+        if whole.grad_sources
+        else [],
         block_starts=frozenset(g for g, (lo, _hi) in enumerate(groups) if lo in whole.block_starts),
     )
 
@@ -519,6 +552,7 @@ _SUMMED = (
     "roofline",
     "weight_ops",
     "weight_op_bytes",
+    "weight_pass_bytes",
 )
 
 
@@ -535,6 +569,17 @@ def _unsliceable_cuts(module: Module) -> frozenset[int]:
             if made is not None and used is not None and used > made:
                 found.update(range(made, used))
     return frozenset(found)
+
+
+def _grad_sources(module: Module) -> list[int]:
+    """`Problem.grad_sources`: per layer, the first layer whose result it reads needs a gradient
+    (`peak_memory.gradient_reads`)."""
+    layer_of = {op: k for k, layer in enumerate(module.layers) for op in layer.ops}
+    needing = values_needing_grad(module)
+    return [
+        min((layer_of.get(v, k) for v in gradient_reads(layer.ops, needing)), default=k)
+        for k, layer in enumerate(module.layers)
+    ]
 
 
 def _tied_layers(module: Module) -> list[tuple[float, tuple[int, ...]]]:

@@ -25,10 +25,11 @@ equal layers on 4 V100s cut 1, 1, 2 x 2: the bound said 138 ms, the simulator 19
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dapple_ir.ir import InstrKind
-from dapple_ir.schedules import ScheduleRequest, build_schedule, warmups
+from dapple_ir.schedules import ScheduleRequest, StageMemory, build_schedule, warmups, zb_splits
 
 #: Share of a stage's compute on the first microbatch's path through the pipeline: zb-h1 defers the weight
 #: gradient (about half the backward) into bubbles, interleaving halves each virtual stage.
@@ -87,6 +88,23 @@ def replica_in_flight(schedule: str, replicas: Sequence[int], split: Sequence[bo
     runs = tuple(1 if sp else r for r, sp in zip(replicas, split, strict=True))
     group = warmups(ScheduleRequest(runs, microbatches))
     return [min(rule[s], -(-group[s] // runs[s])) for s in range(stages)]
+
+
+def split_backwards(replicas: Sequence[int], microbatches: int, memory: Sequence[StageMemory]) -> list[bool]:
+    """Per stage, does zb-h1's order (`schedules.zb_splits`, its stages weighed by `memory`, replicas as the schedule
+    sees them: 1 for a split stage) split its backward into an input and a weight pass? A stage whose split would
+    hold more than 1f1b's fullest rank runs whole backwards, as 1f1b does. Where no stage keeps anything from its
+    input pass to its weight pass, splitting with no weight pass deferred holds what 1f1b does: every stage splits.
+    Checked against the orders the schedule builds (`tests/test_pricing.py`)."""
+    if all(m.weight_pass <= 0 and m.rerun <= 0 for m in memory):
+        return [True] * len(replicas)
+    # Past the warm-ups each replica's order repeats every `period` microbatches, and so does what it holds: fewer
+    # periods (as many microbatches modulo it) peak alike, and order in a fraction of the time.
+    period = math.lcm(*replicas)
+    enough = len(replicas) * max(replicas) + 2 * period
+    if microbatches > enough:
+        microbatches -= (microbatches - enough) // period * period
+    return zb_splits(ScheduleRequest(tuple(replicas), microbatches, 1, tuple(memory)))
 
 
 def caps_warmup(schedule: str, before: int, after: int, stages_after: int, microbatches: int) -> bool:
