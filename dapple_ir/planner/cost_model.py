@@ -57,6 +57,11 @@ the ring's reduce-scatter half, the step over 1/R_s of the stage's own parameter
 (`Problem.gradient_tail_s`: the same bytes on the links as the allreduce, a shorter step), and the static bytes
 hold 1/R_s of those parameters' optimizer state (`Problem.static_of`).
 
+Zero Bubble H1 (zb-h1): a stage whose backward the schedule splits (`split_stages`: not where keeping the gradients
+its weight pass restarts from would hold more than 1f1b's fullest rank, `schedules.zb_splits`) runs it as two
+instructions, hands its input gradient back after the input pass (`pricing.pipeline.BACK_SHARE`) and, where it hands
+one back, pays the split's extra autograd passes (`Problem.split_s`); any other stage is priced as 1f1b's.
+
 With V virtual stages per device group (interleaved, `Candidate.virtual`), the S = P V stages sit on
 P groups (stage k on group k % P) and the recursion runs over the groups (`_evaluate_interleaved`):
 the first microbatch crosses each group in chunks of 1/V of its work, so the bubble shrinks by V,
