@@ -150,12 +150,13 @@ def test_each_ranks_meeting_places_are_its_own_however_asked(name: str) -> None:
         instrs = programs[rank].instrs
         peers = [k for k, i in enumerate(instrs) if i.peer is not None]
         assert check.meeting_places(rank) == peers + [k for k, i in enumerate(instrs) if i.kind in collectives]
-    assert all(check.meets.values())
+    assert all(check.meetings.places.values())
 
 
 def test_a_ranks_instructions_looked_at_are_those_at_the_places_asked() -> None:
     """`CopyCheck.looked_at` keeps its last answer for a rank's next copy: asked of other places, it looks there."""
-    from dapple_ir.sim.parts import _FIELDS, CopyCheck
+    from dapple_ir.ir import COLLECTIVE_KINDS
+    from dapple_ir.sim.parts import CopyCheck
 
     programs = _compiled("T2 D2 P2 interleaved").programs
     check = CopyCheck(programs, lambda _r, _s: True, lambda _a, _b: (), lambda _a, _b: 0.0, lambda _i, _r: ([], 0), [])
@@ -164,8 +165,11 @@ def test_a_ranks_instructions_looked_at_are_those_at_the_places_asked() -> None:
         looked = check.looked_at(0, other)
         assert set(looked.places) == set(other) | set(check.meeting_places(0))
         assert looked.instrs == [instrs[k] for k in looked.places]
-        assert looked.fields == list(map(_FIELDS, looked.instrs))
-        assert looked.grouped == {j for j, i in enumerate(looked.instrs) if i.group is not None}
+        assert looked.fields == [(i.kind, i.stage, i.value, i.grad, i.mb, i.rows, i.param) for i in looked.instrs]
+        assert looked.grouped == [j for j, i in enumerate(looked.instrs) if i.group is not None]
+        assert looked.peers == [i.peer for i in looked.instrs] and looked.groups == [i.group for i in looked.instrs]
+        assert looked.sent_to == {i.peer for i in looked.instrs if i.kind is InstrKind.SEND}
+        assert looked.joined == [j for j, i in enumerate(looked.instrs) if i.kind in COLLECTIVE_KINDS]
 
 
 def _parts_read_whole(programs: list[RankProgram]) -> list[list[int]]:
