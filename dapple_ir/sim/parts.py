@@ -99,8 +99,13 @@ def _meetings(meetings: Meetings) -> Iterator[tuple[set[int], list[Instr]]]:
         other, at = found
         own, (named, joined) = set(at), meetings.of(other)
         mine = picked(instrs, at)
-        peers = {i.peer for i in mine} - {None} | {instrs[k].peer for k in named if k not in own}
-        collectives = [i for i in mine if i.kind._value_ in _COLLECTIVE] + [instrs[k] for k in joined if k not in own]
+        peers = {i.peer for i in mine} - {None}
+        collectives = [i for i in mine if i.kind._value_ in _COLLECTIVE]
+        # Where the other names a peer or joins a collective, a member holds instructions of its own: asked in C.
+        if not own.issuperset(named):
+            peers |= {instrs[k].peer for k in named if k not in own}  # type: ignore[misc]
+        if not own.issuperset(joined):
+            collectives += [instrs[k] for k in joined if k not in own]
         yield peers, collectives  # type: ignore[misc]
 
 
