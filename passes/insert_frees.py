@@ -14,6 +14,7 @@ the trial noted. A trial (`ir.scale.noting`) counts no peaks: nothing reads them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress, count
 from operator import attrgetter
 
 from dapple_ir.analysis.peak_memory import Sizes, program_peak, program_shape
@@ -71,7 +72,7 @@ def _with_shapes(
     taken as they are)."""
     # Programs that differ only in peers and groups (a tensor group's members) get their frees at the same places:
     # found once per program of the same instructions otherwise (`_FREES_READ`).
-    made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]] = {}
+    made: dict[object, list[_Freed]] = {}
     # Programs given the same frees differ from each other only in what `program_shape` leaves out (peers, groups)
     # and reads apart (rows, replica): where those match too, the shape is worked out once.
     shapes: dict[tuple[object, ...], tuple[object, ...]] = {}
@@ -110,31 +111,45 @@ def _leads(module: Module) -> dict[int, int]:
     return leads if [p.instrs for p in module.programs] == lowered else {}
 
 
-def _release_index(instrs: list[Instr]) -> dict[tuple[Stage, int], int]:
-    """Index of the compute that releases each (stage, mb): its backward_weight if split, else its backward."""
+def _release_index(instrs: list[Instr], kinds: list[str] | None = None) -> dict[tuple[Stage, int], int]:
+    """Index of the compute that releases each (stage, mb): its backward_weight if split, else its backward (`kinds`:
+    each instruction's kind's text, where the caller read them)."""
     result: dict[tuple[Stage, int], int] = {}
-    backward, backward_weight = _RELEASE
-    for index, instr in enumerate(instrs):
-        kind = instr.kind
-        if (kind is backward or kind is backward_weight) and instr.stage is not None and instr.mb is not None:
+    kinds = list(map(_KIND, instrs)) if kinds is None else kinds
+    for index in compress(count(), map(_RELEASE_KINDS.__contains__, kinds)):
+        instr = instrs[index]
+        if instr.stage is not None and instr.mb is not None:
             result[(instr.stage, instr.mb)] = index
     return result
 
 
 def _with_frees(
-    program: RankProgram,
-    readers: dict[Op, list[Stage]],
-    definers: dict[Op, Stage],
-    made: dict[tuple[object, ...], list[tuple[int, list[Instr]]]],
+    program: RankProgram, readers: dict[Op, list[Stage]], definers: dict[Op, Stage], made: dict[object, list[_Freed]]
 ) -> tuple[list[Instr], list[tuple[int, list[Instr]]]]:
     """The program's instructions with its frees, and where those go (`made`'s entry: shared by the programs whose
     instructions `_FREES_READ` reads alike, which get the very same free instructions)."""
     instrs = _unfreed(program)
-    key = tuple(map(_FREES_READ, instrs))
-    points = made.get(key)
-    if points is None:
-        points = made[key] = _free_points(program, instrs, readers, definers)
+    # Programs told apart by their first instructions (most are, at a thousand ranks) are not read whole.
+    alike = made.setdefault((len(instrs), *map(_FREES_READ, instrs[:_PROBED])), [])
+    reads = list(map(_FREES_READ, instrs)) if alike else None
+    for other in alike:
+        if other.reads is None:
+            other.reads = list(map(_FREES_READ, other.instrs))
+        if other.reads == reads:
+            return _spliced(instrs, other.points), other.points
+    points = _free_points(program, instrs, readers, definers)
+    alike.append(_Freed(instrs, points, reads))
     return _spliced(instrs, points), points
+
+
+@dataclass(slots=True)
+class _Freed:
+    """A program's instructions less its frees, where `_free_points` puts those, and what `_FREES_READ` reads of the
+    instructions (once another program could be alike)."""
+
+    instrs: list[Instr]
+    points: list[tuple[int, list[Instr]]]
+    reads: list[tuple[object, ...]] | None
 
 
 def _unfreed(program: RankProgram) -> list[Instr]:
@@ -157,6 +172,15 @@ def _spliced(instrs: list[Instr], points: list[tuple[int, list[Instr]]]) -> list
 
 #: What of each instruction decides where the frees go: not the peers, rows or groups.
 _FREES_READ = attrgetter("kind._value_", "stage", "value", "grad", "mb")
+#: How many of a program's first instructions `_with_frees` compares before all of them.
+_PROBED = 16
+#: An instruction's kind's text: the loops over every instruction compare texts (hashing an enum member runs Python
+#: code, too slow per instruction).
+_KIND = attrgetter("kind._value_")
+#: The kinds of the computes that release a stage's saved activations (`_RELEASE`), by text.
+_RELEASE_KINDS = frozenset(kind.value for kind in _RELEASE)
+#: The kinds of the instructions that make something to free (a forward's activations, a received tensor), by text.
+_FREED_KINDS = frozenset({InstrKind.FORWARD.value, InstrKind.RECV.value})
 _ROWS = attrgetter("rows")
 
 
@@ -165,35 +189,45 @@ def _free_points(
 ) -> list[tuple[int, list[Instr]]]:
     """(index into `instrs`, the frees that go right before it) in order: after the compute that releases them and
     the sends that follow it."""
-    # Kinds compare by identity in the loops below: hashing an enum member runs Python code, too slow per instruction.
-    free_kind, forward, recv, send = InstrKind.FREE, InstrKind.FORWARD, InstrKind.RECV, InstrKind.SEND
-    release = _release_index(instrs)
+    # Kinds compare by identity (or text) in the loops below: hashing an enum member runs Python code, too slow per
+    # instruction; and the instructions that make nothing to free (most: the tensor groups' sums) are skipped in C.
+    free_kind, forward = InstrKind.FREE, InstrKind.FORWARD
+    send = InstrKind.SEND
+    kinds = list(map(_KIND, instrs))
+    release = _release_index(instrs, kinds)
     frees: dict[int, list[Instr]] = {}
 
     made: set[tuple[object, ...]] = set()
 
-    def free_after(index: int | None, free: Instr) -> None:
+    def free_after(index: int | None, stage: Stage | None, value: Op | None, grad: bool, mb: int) -> None:
         # Gradients of one value from several consumers accumulate in one buffer: one free releases it.
-        key = (free.stage, free.value, free.grad, free.mb)
+        key = (stage, value, grad, mb)
         if key in made:
             return
         made.add(key)
+        free = Instr(free_kind, stage, value, grad, mb)
         if index is None:
             raise ScheduleError(f"insert-frees: {program.name} never releases {_freed(free)}; is its backward missing?")
         frees.setdefault(index, []).append(free)
 
-    for instr in instrs:
+    for at in compress(count(), map(_FREED_KINDS.__contains__, kinds)):
+        instr = instrs[at]
         kind, stage, value, mb = instr.kind, instr.stage, instr.value, instr.mb
-        if kind is forward and stage is not None and mb is not None:
-            free_after(release.get((stage, mb)), Instr(free_kind, stage=stage, mb=mb))
-        if kind is not recv or value is None or mb is None:
+        if kind is forward:
+            if stage is not None and mb is not None:
+                free_after(release.get((stage, mb)), stage, None, False, mb)
+            continue
+        if value is None or mb is None:  # a recv
             continue
         if instr.grad:
-            free_after(release.get((definers[value], mb)), Instr(free_kind, value=value, grad=True, mb=mb))
+            free_after(release.get((definers[value], mb)), None, value, True, mb)
             continue
-        users = [release.get((s, mb)) for s in readers.get(value, [])]
-        last = max((i for i in users if i is not None), default=None)
-        free_after(last, Instr(free_kind, value=value, mb=mb))
+        last = None  # the last release of a stage of the rank that reads it
+        for reader in readers.get(value, ()):
+            index = release.get((reader, mb))
+            if index is not None and (last is None or index > last):
+                last = index
+        free_after(last, None, value, False, mb)
     points: list[tuple[int, list[Instr]]] = []
     for index in sorted(frees):
         at = index + 1

@@ -222,7 +222,8 @@ def _instrs(stages: list[Stage], order: list[schedules.Work] | None, made: dict[
         return []
     found = made.get(id(order))
     if found is None:
-        found = made[id(order)] = [Instr(w.kind, stage=stages[w.stage], mb=w.mb) for w in order]
+        # Positional (kind, stage, value, grad, mb): keywords cost twice as much, for a thousand ranks' orders.
+        found = made[id(order)] = [Instr(w.kind, stages[w.stage], None, False, w.mb) for w in order]
     return list(found)
 
 

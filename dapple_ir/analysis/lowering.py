@@ -27,9 +27,11 @@ one that does cannot be sliced, and the lowering refuses the split.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 from itertools import compress, count
-from operator import attrgetter
+from operator import attrgetter, itemgetter
+from typing import Any
 
 from dapple_ir.analysis import tensor_shards
 from dapple_ir.analysis.stage_graph import (
@@ -102,6 +104,9 @@ class _Lowering:
             self.into[c.consumer].append(c)
             self.out_of[c.producer].append(c)
         self.grads = values_needing_grad(module)
+        # The crossings whose gradients travel back (`grads`), into and out of each stage.
+        self.grads_into = {s: [c for c in cs if c.value in self.grads] for s, cs in self.into.items()}
+        self.grads_out_of = {s: [c for c in cs if c.value in self.grads] for s, cs in self.out_of.items()}
         self.tied = tied_params(module)
         self.loads = {s for s in module.stages if any(op.kind is OpKind.INPUT for op in s.ops)}
         self.loads |= {s for s in module.stages for op in s.ops for v in op.operands if v.kind is OpKind.INPUT}
@@ -117,11 +122,15 @@ class _Lowering:
                     f"%{coupled[0].name} normalises over the batch (batch norm): each replica would normalise its "
                     "rows alone, unlike one device on the whole microbatch; replicate this stage round robin"
                 )
-        self.memo: dict[tuple[Crossing, int], list[_Piece]] = {}
+        self.memo: dict[tuple[int, int, int], list[_Piece]] = {}
+        """`pieces` by the crossing's id and the microbatch modulo the producer's and the consumer's replicas."""
+        self.members: dict[tuple[Stage, int, int], int] = {}
+        """`member` by its arguments."""
         self.groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
         self.tensor_groups: dict[tuple[Stage, int], tuple[int, ...]] = {}
-        self.tensor_reduced: dict[tuple[Stage, InstrKind, int, int | None], list[Instr]] = {}
-        self.reduces: dict[tuple[Stage, InstrKind], list[tuple[Op, bool]]] = {}
+        # Keyed by the kind's text: hashing an enum member runs Python code.
+        self.tensor_reduced: dict[tuple[Stage, str, int, int | None], list[Instr]] = {}
+        self.reduces: dict[tuple[Stage, str], list[tuple[Op, bool]]] = {}
         self.leads: dict[int, int] = {}
         """Member rank -> the lead whose instructions `run` lowered it from (`as_member`)."""
 
@@ -134,7 +143,10 @@ class _Lowering:
 
     def member(self, stage: Stage, lead: int, k: int) -> int:
         """Tensor rank `k` of the replica of `stage` whose lead (tensor rank 0) is rank `lead`."""
-        return self.peer(stage, self.replica_of[lead], k)
+        found = self.members.get((stage, lead, k))
+        if found is None:
+            found = self.members[(stage, lead, k)] = self.peer(stage, self.replica_of[lead], k)
+        return found
 
     def lead(self, rank: int, stage: Stage) -> int:
         """The lead of `rank`'s replica of `stage`: the rank the transfers are planned for."""
@@ -148,7 +160,10 @@ class _Lowering:
 
     def pieces(self, c: Crossing, mb: int) -> list[_Piece]:
         """The transfers that bring `c.value` of microbatch `mb` from the producer's replicas to the consumer's."""
-        found = self.memo.get((c, mb))
+        # The replicas holding a microbatch are those of its index modulo their count (all of a split stage's):
+        # the transfers are alike for the microbatches alike modulo both counts.
+        key = (id(c), mb % c.producer.replicas, mb % c.consumer.replicas)
+        found = self.memo.get(key)
         if found is not None:
             return found
         found = []
@@ -172,14 +187,14 @@ class _Lowering:
             producers = self.holders(c.producer, mb)
             for k, (dst, _lo, _hi) in enumerate(self.holders(c.consumer, mb)):
                 found.append(_Piece(producers[k % len(producers)][0], dst, None))
-        self.memo[(c, mb)] = found
+        self.memo[key] = found
         return found
 
     def run(self) -> list[RankProgram]:
         members = self.tensor_members()
         programs = self.module.programs
         out: list[RankProgram] = []
-        mapped: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+        mapped: dict[int, _MemberMapped] = {}
         for rank, p in enumerate(programs):
             lead = members[rank][0] if members is not None else rank
             if lead < rank and programs[lead].instrs == p.instrs:  # the very instructions of its group's lead
@@ -214,23 +229,21 @@ class _Lowering:
         return members
 
     def as_member(
-        self,
-        lead: list[Instr],
-        mapped: list[tuple],  # type: ignore[type-arg]
-        k: int,
-        members: dict[int, tuple[int, ...]],
+        self, lead: list[Instr], mapped: _MemberMapped, k: int, members: dict[int, tuple[int, ...]]
     ) -> list[Instr]:
         """Member `k`'s lowered instructions from its lead's (`tensor_members`; `mapped`: `_member_mapped(lead)`):
         each transfer with member k of the lead's peer group, each collective over member k of each group in it
         (ascending, as `group` lists them); the rest, the lead's very instructions (the group's sums included: the
         whole group runs them)."""
         out = list(lead)
-        send, recv = InstrKind.SEND, InstrKind.RECV
-        for index, kind, stage, value, grad, mb, peer, rows, group, param in mapped:
-            if kind is send or kind is recv:
-                assert peer is not None
-                out[index] = Instr(kind, stage, value, grad, mb, members[peer][k], rows, group, param)
-            elif group is not None:
+        kind, stage, value, grad, mb, peer, rows, group, param = mapped.transfers
+        # Made in bulk, without a Python loop per instruction: a thousand ranks' members hold millions of transfers.
+        peers = list(map(members.__getitem__, peer))
+        peers = list(map(itemgetter(k), peers))
+        made = map(Instr, kind, stage, value, grad, mb, peers, rows, group, param)
+        deque(map(out.__setitem__, mapped.at, made), maxlen=0)
+        for index, kind, stage, value, grad, mb, peer, rows, group, param in mapped.collectives:
+            if group is not None:
                 group = tuple(sorted(members[g][k] for g in group))
                 out[index] = Instr(kind, stage, value, grad, mb, peer, rows, group, param)
         return out
@@ -238,24 +251,32 @@ class _Lowering:
     def lower(self, rank: int, program: RankProgram) -> list[Instr]:
         compute = [i for i in program.instrs if i.kind._value_ in _COMPUTE]
         first_use, last_grad = self.positions(compute)
+        k, replica = self.tensor_of[rank], self.replica_of[rank]
+        leads: dict[Stage, int] = {}  # the lead of the rank's replica of each stage (`lead`), asked once
         out: list[Instr] = []
         loaded: set[int] = set()
+        # Kinds compare by identity and instructions are made positionally: this loop runs millions of times.
+        forward, load = InstrKind.FORWARD, InstrKind.LOAD_MICROBATCH
         for index, instr in enumerate(compute):
-            stage, mb = instr.stage, instr.mb
+            stage, mb, kind = instr.stage, instr.mb, instr.kind
             assert stage is not None and mb is not None
-            if instr.kind is InstrKind.FORWARD:
+            input_grad = kind._value_ in _INPUT_GRAD
+            lead = leads.get(stage)
+            if lead is None and (kind is forward or input_grad):
+                lead = leads[stage] = self.lead(rank, stage)
+            if kind is forward:
                 if stage in self.loads and mb not in loaded:
                     loaded.add(mb)
-                    out.append(Instr(InstrKind.LOAD_MICROBATCH, mb=mb))
-                out += self.recvs(rank, index, stage, mb, first_use)
-            if instr.kind._value_ in _INPUT_GRAD:
-                out += self.grad_recvs(rank, stage, mb)
+                    out.append(Instr(load, None, None, False, mb))
+                out += self.recvs(lead, k, index, stage, mb, first_use)  # type: ignore[arg-type]
+            if input_grad:
+                out += self.grad_recvs(lead, k, stage, mb)  # type: ignore[arg-type]
             out.append(instr)
-            out += self.tensor_reduces(rank, instr)
-            if instr.kind is InstrKind.FORWARD:
-                out += self.sends(rank, stage, mb)
-            if instr.kind._value_ in _INPUT_GRAD:
-                out += self.grad_sends(rank, index, stage, mb, last_grad)
+            out += self.tensor_reduces(replica, instr)
+            if kind is forward:
+                out += self.sends(lead, k, stage, mb)  # type: ignore[arg-type]
+            if input_grad:
+                out += self.grad_sends(lead, k, index, stage, mb, last_grad)  # type: ignore[arg-type]
         out += self.stage_allreduces(rank, program)
         out += self.tied_allreduces(rank)
         out.append(Instr(InstrKind.OPTIMIZER_STEP))
@@ -277,65 +298,59 @@ class _Lowering:
 
     # Between tensor groups, receiver member i takes from sender member i % T_sender (a boundary value is whole on
     # every member), for values and gradients alike; a sender member j so serves every receiver i = j mod T_sender.
+    # Each takes the lead of the rank's replica of `stage` (`lead`) and the rank's tensor rank `k`.
 
-    def recvs(self, rank: int, index: int, stage: Stage, mb: int, first_use: dict) -> list[Instr]:  # type: ignore[type-arg]
+    def recvs(self, lead: int, k: int, index: int, stage: Stage, mb: int, first_use: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
-        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.into[stage]:
             if first_use[(c.value, mb)] != index:
                 continue
             for p in self.pieces(c, mb):
                 if p.dst == lead and p.src != lead:
                     src = self.member(c.producer, p.src, k % c.producer.tp)
-                    _add(out, Instr(InstrKind.RECV, value=c.value, mb=mb, peer=src, rows=p.rows))
+                    _add(out, Instr(_RECV, None, c.value, False, mb, src, p.rows))
         return out
 
-    def sends(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
+    def sends(self, lead: int, k: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
-        lead, k = self.lead(rank, stage), self.tensor_of[rank]
         for c in self.out_of[stage]:
             for p in self.pieces(c, mb):
                 if p.src == lead and p.dst != lead:
                     for i in range(k, c.consumer.tp, stage.tp):
                         dst = self.member(c.consumer, p.dst, i)
-                        _add(out, Instr(InstrKind.SEND, value=c.value, mb=mb, peer=dst, rows=p.rows))
+                        _add(out, Instr(_SEND, None, c.value, False, mb, dst, p.rows))
         return out
 
-    def grad_recvs(self, rank: int, stage: Stage, mb: int) -> list[Instr]:
+    def grad_recvs(self, lead: int, k: int, stage: Stage, mb: int) -> list[Instr]:
         out: list[Instr] = []
-        lead, k = self.lead(rank, stage), self.tensor_of[rank]
-        for c in self.out_of[stage]:
-            if c.value not in self.grads:
-                continue
+        for c in self.grads_out_of[stage]:
             for p in self.pieces(c, mb):
                 if p.src == lead and p.dst != lead:
                     src = self.member(c.consumer, p.dst, k % c.consumer.tp)
-                    _add(out, Instr(InstrKind.RECV, value=c.value, grad=True, mb=mb, peer=src, rows=p.rows))
+                    _add(out, Instr(_RECV, None, c.value, True, mb, src, p.rows))
         return out
 
-    def grad_sends(self, rank: int, index: int, stage: Stage, mb: int, last_grad: dict) -> list[Instr]:  # type: ignore[type-arg]
+    def grad_sends(self, lead: int, k: int, index: int, stage: Stage, mb: int, last_grad: dict) -> list[Instr]:  # type: ignore[type-arg]
         out: list[Instr] = []
-        lead, k = self.lead(rank, stage), self.tensor_of[rank]
-        for c in self.into[stage]:
-            if c.value not in self.grads or last_grad[(c.value, mb)] != index:
+        for c in self.grads_into[stage]:
+            if last_grad[(c.value, mb)] != index:
                 continue
             for p in self.pieces(c, mb):
                 if p.dst == lead and p.src != lead:
                     for i in range(k, c.producer.tp, stage.tp):
                         dst = self.member(c.producer, p.src, i)
-                        _add(out, Instr(InstrKind.SEND, value=c.value, grad=True, mb=mb, peer=dst, rows=p.rows))
+                        _add(out, Instr(_SEND, None, c.value, True, mb, dst, p.rows))
         return out
 
-    def tensor_reduces(self, rank: int, instr: Instr) -> list[Instr]:
+    def tensor_reduces(self, replica: int, instr: Instr) -> list[Instr]:
         """The tensor_allreduces that run inside compute `instr` of a stage with tp > 1 (listed after it)
-        (`reduced_values`), over the tensor group of the rank's replica."""
+        (`reduced_values`), over the tensor group of the rank's `replica`."""
         stage, mb = instr.stage, instr.mb
         assert stage is not None
         if stage.tp == 1:
             return []
-        replica = self.replica_of[rank]
         # Every member of the group runs these very instructions: made once, for the first member lowered.
-        key = (stage, instr.kind, replica, mb)
+        key = (stage, instr.kind._value_, replica, mb)
         found = self.tensor_reduced.get(key)
         if found is not None:
             return found
@@ -351,10 +366,10 @@ class _Lowering:
         """(value, grad) of each tensor_allreduce inside a compute of `kind` of `stage` (asked once per both): the
         row-parallel results of a forward (and of a backward's re-run forward, recomputing), then the gradients of
         the column-parallel ops' whole inputs of a backward that computes input gradients."""
-        found = self.reduces.get((stage, kind))
+        found = self.reduces.get((stage, kind._value_))
         if found is not None:
             return found
-        found = self.reduces[(stage, kind)] = []
+        found = self.reduces[(stage, kind._value_)] = []
         # A split backward's input pass runs the column inputs' sums where the stage hands gradients back; one that
         # hands none back (the first stage) runs its whole backward, those sums included, in the weight pass.
         hands_back = any(c.value in self.grads for c in self.into[stage])
@@ -408,8 +423,11 @@ _COMPUTE = frozenset(kind.value for kind in COMPUTE_KINDS)
 _INPUT_GRAD = frozenset(kind.value for kind in INPUT_GRAD_KINDS)
 #: A tensor group's sum inside a compute (`tensor_reduces`).
 _TENSOR_REDUCE = InstrKind.TENSOR_ALLREDUCE
-#: The kinds a tensor group's member holds with peers and groups of its own (`as_member`), by text; `_KIND` reads it.
-_MEMBER_MAPPED = frozenset(kind.value for kind in (InstrKind.SEND, InstrKind.RECV, *COLLECTIVE_KINDS))
+_SEND, _RECV = InstrKind.SEND, InstrKind.RECV
+#: The kinds a tensor group's member holds with peers of its own (`as_member`), by text; `_KIND` reads it.
+_TRANSFERS = frozenset(kind.value for kind in (InstrKind.SEND, InstrKind.RECV))
+#: The collectives, whose groups a tensor group's member holds of its own (`as_member`), by text.
+_COLLECTIVES = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 _KIND = attrgetter("kind._value_")
 #: A sharded stage's (`Stage.sharded`) allreduce: each replica keeps its shard of the sum, steps it, and the
 #: stepped shards are all-gathered after the optimizer step, in the order their reduce-scatters ran.
@@ -420,20 +438,38 @@ _SHARD_REDUCE = InstrKind.REDUCE_SCATTER
 _INSTR_FIELDS = attrgetter("kind", "stage", "value", "grad", "mb", "peer", "rows", "group", "param")
 
 
-def _member_mapped(lead: list[Instr]) -> list[tuple]:  # type: ignore[type-arg]
-    """(index, every field) of each of a lead's instructions that its tensor group's members hold with peers and
-    groups of their own (`as_member`): read once for all the members."""
+@dataclass(frozen=True, slots=True)
+class _MemberMapped:
+    """What of a lead's instructions its tensor group's members hold with peers and groups of their own (`as_member`),
+    read once for all the members."""
+
+    at: list[int]
+    """The index of each transfer (send or recv)."""
+    transfers: tuple[tuple[Any, ...], ...]
+    """Every field of the transfers, field by field in `Instr`'s order (each a tuple over the transfers)."""
+    collectives: list[tuple]  # type: ignore[type-arg]
+    """(index, every field) of each collective."""
+
+
+def _member_mapped(lead: list[Instr]) -> _MemberMapped:
+    """What of `lead` its tensor group's members hold of their own (`as_member`), read once for all the members."""
     # Found without a Python call per instruction (a thousand ranks' programs are millions of them, mostly the group's
     # sums).
-    indices = list(compress(count(), map(_MEMBER_MAPPED.__contains__, map(_KIND, lead))))
-    read = map(_INSTR_FIELDS, map(lead.__getitem__, indices))
-    return [(index, *fields) for index, fields in zip(indices, read, strict=True)]
+    kinds = list(map(_KIND, lead))
+    at = list(compress(count(), map(_TRANSFERS.__contains__, kinds)))
+    transfers = tuple(zip(*map(_INSTR_FIELDS, map(lead.__getitem__, at)), strict=True))
+    collective = list(compress(count(), map(_COLLECTIVES.__contains__, kinds)))
+    read = map(_INSTR_FIELDS, map(lead.__getitem__, collective))
+    collectives = [(index, *fields) for index, fields in zip(collective, read, strict=True)]
+    return _MemberMapped(at, transfers or ((),) * 9, collectives)
 
 
 def _add(out: list[Instr], instr: Instr) -> None:
     """Append a transfer unless `out` already has it (a value two stages of the rank read, or send back)."""
-    if not any(i.value is instr.value and i.peer == instr.peer and i.rows == instr.rows for i in out):
-        out.append(instr)
+    for i in out:  # mostly none or one: a loop costs less than `any` of a generator
+        if i.value is instr.value and i.peer == instr.peer and i.rows == instr.rows:
+            return
+    out.append(instr)
 
 
 #: What may sit between a compute and the receives posted after it: the compute's own sends and frees go first.
