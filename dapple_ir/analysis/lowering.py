@@ -27,11 +27,9 @@ one that does cannot be sliced, and the lowering refuses the split.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 from itertools import compress, count
-from operator import attrgetter, itemgetter
-from typing import Any
+from operator import attrgetter
 
 from dapple_ir.analysis import tensor_shards
 from dapple_ir.analysis.stage_graph import (
@@ -195,6 +193,7 @@ class _Lowering:
         programs = self.module.programs
         out: list[RankProgram] = []
         mapped: dict[int, _MemberMapped] = {}
+        kth: dict[int, dict[int, int]] = {}  # tensor rank k -> member k of each rank's group
         for rank, p in enumerate(programs):
             lead = members[rank][0] if members is not None else rank
             if lead < rank and programs[lead].instrs == p.instrs:  # the very instructions of its group's lead
@@ -202,7 +201,10 @@ class _Lowering:
                 found = mapped.get(lead)
                 if found is None:
                     found = mapped[lead] = _member_mapped(out[lead].instrs)
-                instrs = self.as_member(out[lead].instrs, found, self.tensor_of[rank], members)
+                k = self.tensor_of[rank]
+                if k not in kth:
+                    kth[k] = {r: group[k] for r, group in members.items()}
+                instrs = self.as_member(out[lead].instrs, found, kth[k])
                 self.leads[rank] = lead
             else:
                 instrs = self.lower(rank, p)
@@ -228,23 +230,18 @@ class _Lowering:
             members[rank] = group
         return members
 
-    def as_member(
-        self, lead: list[Instr], mapped: _MemberMapped, k: int, members: dict[int, tuple[int, ...]]
-    ) -> list[Instr]:
-        """Member `k`'s lowered instructions from its lead's (`tensor_members`; `mapped`: `_member_mapped(lead)`):
-        each transfer with member k of the lead's peer group, each collective over member k of each group in it
-        (ascending, as `group` lists them); the rest, the lead's very instructions (the group's sums included: the
-        whole group runs them)."""
+    def as_member(self, lead: list[Instr], mapped: _MemberMapped, kth: dict[int, int]) -> list[Instr]:
+        """Member k's lowered instructions from its lead's (`tensor_members`; `mapped`: `_member_mapped(lead)`; `kth`:
+        member k of each rank's tensor group): each transfer with member k of the lead's peer group, each collective
+        over member k of each group in it (ascending, as `group` lists them); the rest, the lead's very instructions
+        (the group's sums included: the whole group runs them)."""
         out = list(lead)
-        kind, stage, value, grad, mb, peer, rows, group, param = mapped.transfers
-        # Made in bulk, without a Python loop per instruction: a thousand ranks' members hold millions of transfers.
-        peers = list(map(members.__getitem__, peer))
-        peers = list(map(itemgetter(k), peers))
-        made = map(Instr, kind, stage, value, grad, mb, peers, rows, group, param)
-        deque(map(out.__setitem__, mapped.at, made), maxlen=0)
-        for index, kind, stage, value, grad, mb, peer, rows, group, param in mapped.collectives:
+        # Positional, in a plain loop (quicker than `map` over the fields): a thousand ranks' members hold millions.
+        for index, (kind, stage, value, grad, mb, peer, rows, group, param) in zip(*mapped.transfers, strict=True):
+            out[index] = Instr(kind, stage, value, grad, mb, kth[peer], rows, group, param)
+        for index, (kind, stage, value, grad, mb, peer, rows, group, param) in zip(*mapped.collectives, strict=True):
             if group is not None:
-                group = tuple(sorted(members[g][k] for g in group))
+                group = tuple(sorted(kth[g] for g in group))
                 out[index] = Instr(kind, stage, value, grad, mb, peer, rows, group, param)
         return out
 
@@ -443,12 +440,10 @@ class _MemberMapped:
     """What of a lead's instructions its tensor group's members hold with peers and groups of their own (`as_member`),
     read once for all the members."""
 
-    at: list[int]
-    """The index of each transfer (send or recv)."""
-    transfers: tuple[tuple[Any, ...], ...]
-    """Every field of the transfers, field by field in `Instr`'s order (each a tuple over the transfers)."""
-    collectives: list[tuple]  # type: ignore[type-arg]
-    """(index, every field) of each collective."""
+    transfers: tuple[list[int], list[tuple]]  # type: ignore[type-arg]
+    """The index of each transfer (send or recv), and its every field."""
+    collectives: tuple[list[int], list[tuple]]  # type: ignore[type-arg]
+    """The index of each collective, and its every field."""
 
 
 def _member_mapped(lead: list[Instr]) -> _MemberMapped:
@@ -456,12 +451,13 @@ def _member_mapped(lead: list[Instr]) -> _MemberMapped:
     # Found without a Python call per instruction (a thousand ranks' programs are millions of them, mostly the group's
     # sums).
     kinds = list(map(_KIND, lead))
-    at = list(compress(count(), map(_TRANSFERS.__contains__, kinds)))
-    transfers = tuple(zip(*map(_INSTR_FIELDS, map(lead.__getitem__, at)), strict=True))
-    collective = list(compress(count(), map(_COLLECTIVES.__contains__, kinds)))
-    read = map(_INSTR_FIELDS, map(lead.__getitem__, collective))
-    collectives = [(index, *fields) for index, fields in zip(collective, read, strict=True)]
-    return _MemberMapped(at, transfers or ((),) * 9, collectives)
+    return _MemberMapped(_read(lead, kinds, _TRANSFERS), _read(lead, kinds, _COLLECTIVES))
+
+
+def _read(instrs: list[Instr], kinds: list[str], read: frozenset[str]) -> tuple[list[int], list[tuple]]:  # type: ignore[type-arg]
+    """The index and every field of each instruction whose kind's text (`kinds`) is in `read`."""
+    indices = list(compress(count(), map(read.__contains__, kinds)))
+    return indices, list(map(_INSTR_FIELDS, map(instrs.__getitem__, indices)))
 
 
 def _add(out: list[Instr], instr: Instr) -> None:
