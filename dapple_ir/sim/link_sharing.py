@@ -6,6 +6,12 @@ is recomputed whenever a flow starts or ends on one of its links; between those 
 constant, so a flow's end is exact, not stepped. No link ever carries more than its bandwidth, so
 no schedule of flows ends before any link's bytes / bandwidth.
 
+A flow may count for several on its links (its *weight*; a unit flow counts 1): where the simulator runs one
+data-parallel replica for all (`dapple_ir.sim.symmetry`), each of its transfers counts for the R replicas' alike
+(weight R, over bandwidths R times the links'), and each step of a ring over the replicas, mapped onto the one
+replica's links, for itself (weight 1); each link then holds R times the flows it holds in the whole plan, and
+every rate is the whole plan's.
+
 Flows with the same path always move at the same rate, so they are kept together as one *bundle*:
 the bundle keeps a clock of the bytes each of its flows has moved since it began (each flow ends
 when that clock has advanced by its bytes since the flow joined), and only the bundle's first end
@@ -36,6 +42,8 @@ class _Bundle:
     rate: float = 0.0
     since: float = 0.0
     version: int = 0
+    weight: int = 0
+    """The weights of its flows in flight, together."""
 
 
 @dataclass
@@ -50,6 +58,8 @@ class LinkSharing:
     _bundles: list[_Bundle] = field(default_factory=list)
     _bundle_of: dict[tuple[int, ...], int] = field(default_factory=dict)
     _next_flow: int = 0
+    _weights: dict[int, int] = field(default_factory=dict)
+    """Flow -> its weight, where not 1."""
 
     def __post_init__(self) -> None:
         self.carried = [0.0] * len(self.bandwidth)
@@ -61,11 +71,13 @@ class LinkSharing:
         bandwidth = self.bandwidth
         return all(bandwidth[k] == float("inf") for k in links)
 
-    def start(self, now: float, links: tuple[int, ...], nbytes: float) -> tuple[int, list[Reschedule]]:
-        """Start moving `nbytes` over `links` at `now`: the new flow's id, and the bundles whose first
-        end moved."""
+    def start(self, now: float, links: tuple[int, ...], nbytes: float, weight: int = 1) -> tuple[int, list[Reschedule]]:
+        """Start moving `nbytes` over `links` at `now`, counting `weight` flows on them: the new flow's id, and the
+        bundles whose first end moved."""
         flow = self._next_flow
         self._next_flow += 1
+        if weight != 1:
+            self._weights[flow] = weight
         index = self._bundle_of.get(links)
         if index is None:
             index = self._bundle_of[links] = len(self._bundles)
@@ -74,12 +86,13 @@ class LinkSharing:
         bundle.clock += bundle.rate * (now - bundle.since)
         bundle.since = now
         heapq.heappush(bundle.ends, (bundle.clock + nbytes, flow))
+        bundle.weight += weight
         carried, flows_on, bundles_on = self.carried, self._flows_on, self._bundles_on
         alone = True
         for k in links:
             carried[k] += nbytes
             alone = alone and flows_on[k] == 0
-            flows_on[k] += 1
+            flows_on[k] += weight
             bundles_on[k].add(index)
         if alone:
             # Nothing else on its links: nobody's rate moves, and it gets the path's bandwidth.
@@ -99,11 +112,13 @@ class LinkSharing:
         if not done:
             # Every end event must end a flow, or the event loop reschedules this bundle forever.
             raise RuntimeError(_stalled(index, f"its first flow's end, clock {first!r}, was not reached at {now!r} s"))
-        flows_on, bundles_on = self._flows_on, self._bundles_on
+        flows_on, bundles_on, weights = self._flows_on, self._bundles_on, self._weights
+        through = sum(weights.pop(flow, 1) for flow in done) if weights else len(done)
+        bundle.weight -= through
         alone = True
         for k in bundle.links:
-            flows_on[k] -= len(done)
-            alone = alone and flows_on[k] == len(ends)
+            flows_on[k] -= through
+            alone = alone and flows_on[k] == bundle.weight
             if not ends:
                 bundles_on[k].discard(index)
         if not ends:

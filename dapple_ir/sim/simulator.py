@@ -122,6 +122,7 @@ from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.pricing.tensor import tensor_reduce_s
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
 from dapple_ir.sim.parts import CopyCheck, independent_parts, join
+from dapple_ir.sim.symmetry import ReplicaQuotient, replica_quotient
 from dapple_ir.units import format_bytes, format_seconds
 
 #: Share of a stage's backward time that `backward_input` takes in the zero-bubble split.
@@ -542,6 +543,8 @@ class _RunState:
     """flow -> (transfer key, sending rank, send index, latency) or (allreduce key,)."""
     pending: dict[tuple, list[float]] = field(default_factory=dict)  # type: ignore[type-arg]
     """Allreduce key -> [its ring's steps still moving, the latency after the last]."""
+    quotient: ReplicaQuotient | None = None
+    """Where replica 0 of the part runs for all its replicas (`dapple_ir.sim.symmetry`): its rings' flows."""
 
 
 class _Simulator:
@@ -739,9 +742,14 @@ class _Simulator:
         return state
 
     def run_part(
-        self, part: list[int], replay: Mapping[tuple[int, int], float], begin: list[float] | None
+        self,
+        part: list[int],
+        replay: Mapping[tuple[int, int], float],
+        begin: list[float] | None,
+        quotient: ReplicaQuotient | None = None,
     ) -> _RunState:
-        """The events of the ranks of one part (ascending), run out; the other ranks' entries stay empty."""
+        """The events of the ranks of one part (ascending), run out; the other ranks' entries stay empty. `quotient`:
+        where `part` is replica 0 of a part whose replicas it runs for (`dapple_ir.sim.symmetry`)."""
         programs = self.module.programs
         n = len(programs)
         self.prepare(part)
@@ -751,7 +759,8 @@ class _Simulator:
             starts[r] = [0.0] * len(programs[r].instrs)
             ends[r] = [0.0] * len(programs[r].instrs)
         state = _RunState(
-            sharing=LinkSharing(self.bandwidth),
+            # Under a quotient each link counts its flows for every replica (`sim.link_sharing`'s weights).
+            sharing=LinkSharing([b * quotient.replicas for b in self.bandwidth] if quotient else self.bandwidth),
             cores=LinkSharing(self.core_capacity) if self.core_paths is not None else None,
             replayed=replay or None,
             starts=starts,
@@ -761,6 +770,7 @@ class _Simulator:
             pc=[0] * n,
             reduce_seen=[{} for _ in range(n)],
             parked_key=[None] * n,
+            quotient=quotient,
         )
         for r in part:
             self.push(state, state.clock[r], _RESUME, r)
@@ -800,10 +810,15 @@ class _Simulator:
         iteration = 0.0
         distinct = self.distinct_parts()
         for part in distinct:
-            state = self.run_part(part, {}, None)
-            if any(state.pc[r] < len(programs[r].instrs) for r in part):
+            # A part whose data-parallel replicas are images of its first runs as that one (`sim.symmetry`).
+            quotient = self.replica_quotient(part)
+            ranks = quotient.ranks if quotient is not None else part
+            state = self.run_part(ranks, {}, None, quotient)
+            if any(state.pc[r] < len(programs[r].instrs) for r in ranks):
                 self.engine({})  # says which ranks of every part are stuck
-            iteration = max(iteration, max((max(state.ends[r], default=0.0) for r in part), default=0.0))
+            iteration = max(iteration, max((max(state.ends[r], default=0.0) for r in ranks), default=0.0))
+            if quotient is not None:
+                self.prepare(quotient.others)  # their memory's changes, for the peaks
         # Ranks of one program shape share their changes (`peak_memory.posted_changes`): each peak walked once. A
         # copy's ranks hold their counterparts' stages and programs of their shape: their peaks are those.
         peaks: dict[tuple[int, float], float] = {}
@@ -852,6 +867,20 @@ class _Simulator:
         )
         return check.distinct(self.parts)
 
+    def replica_quotient(self, part: list[int]) -> ReplicaQuotient | None:
+        """Replica 0 of `part` standing for all its replicas, where they are its images (`sim.symmetry`)."""
+        if self.core_paths is not None or self.slowdowns is not None:
+            return None
+        return replica_quotient(
+            part,
+            self.module.programs,
+            self.costs_alike,
+            lambda src, dst: (self.route_links(src, dst), self.network.latency(self.devices[src], self.devices[dst])),
+            self.ring_paths,
+            self.tensor_s,
+            self.bandwidth,
+        )
+
     def route_links(self, src: int, dst: int) -> tuple[int, ...]:
         """The links a send from rank `src` to rank `dst` takes time on: none where its path is free."""
         path = self.network.path(self.devices[src], self.devices[dst])
@@ -862,19 +891,25 @@ class _Simulator:
         assert instr.group is not None
         ring = ring_allreduce(self.network, [self.devices[m] for m in instr.group])
         price = (ring.members, ring.link_per_byte_s, ring.host_per_byte_s, ring.fixed_s)
-        if self.reduced(instr)[1] <= 0:
-            return [], price
+        return (self.ring_paths(instr.group) if self.reduced(instr)[1] > 0 else []), price
+
+    def ring_paths(self, group: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The links of each step of a ring over `group` that takes time on any (as `arrive` starts them)."""
+        ring = ring_allreduce(self.network, [self.devices[m] for m in group])
         paths = [self.network.path(a, b) for a, b in ring.steps]
-        return [p for p in paths if not self.idle.is_free(p)], price
+        return [p for p in paths if not self.idle.is_free(p)]
 
     def same_rank(self, r: int, s: int) -> bool:
         """Whether ranks `r` and `s` run on devices of one kind, with one replica, stages and costs, alone on their
         cores (the rest of `dapple_ir.sim.parts.CopyCheck`'s conditions on a rank)."""
+        return self.module.programs[r].attrs.replica == self.module.programs[s].attrs.replica and self.costs_alike(r, s)
+
+    def costs_alike(self, r: int, s: int) -> bool:
+        """Whether ranks `r` and `s` run on devices of one kind, with the same stages and costs, alone on their
+        cores."""
         a, b = self.of_rank[r], self.of_rank[s]
-        attrs, theirs = self.module.programs[r].attrs, self.module.programs[s].attrs
         return (
             self.kinds[r] == self.kinds[s]
-            and attrs.replica == theirs.replica
             and self.hosted[r] == self.hosted[s]
             and a.core_path is None
             and b.core_path is None
@@ -1137,7 +1172,8 @@ class _Simulator:
         if self.slowdowns is not None and transfer.nbytes > 0 and not transfer.measured:
             state.began[transfer.key] = now
         if transfer.nbytes > 0 and transfer.path:
-            flow, moved = state.sharing.start(now, transfer.path, transfer.nbytes)
+            quotient = state.quotient
+            flow, moved = state.sharing.start(now, transfer.path, transfer.nbytes, quotient.replicas if quotient else 1)
             state.owners[flow] = (transfer.key, transfer.src, transfer.index, transfer.latency)
             self.reschedule(state, moved)
         else:
@@ -1188,15 +1224,20 @@ class _Simulator:
         key = (what, occurrence)
         present = state.reduce_members.setdefault(key, [])
         present.append((t, rank, index))
-        if len(present) < len(what[0]):
+        quotient = state.quotient
+        # Under a quotient the group's members of replica 0 stand for all: each replica's reach it at one time.
+        if len(present) < (len(what[0]) if quotient is None else quotient.present[what[0]]):
             return key
         ring = ring_allreduce(self.network, [self.devices[m] for m in what[0]])
         # The ring's steps as flows on their links (`pricing.collectives`); the hosts' reduction after the links. A
         # reduce-scatter or an all-gather is one half of the ring: half its rounds, (n-1)/n of the bytes a step.
         latency = ring.beyond_links_s(instr.kind.value, nbytes)
         per_step = ring.collective_step_bytes(instr.kind.value, nbytes)
-        paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
-        paths = [p for p in paths if not state.sharing.is_free(p)]
+        if quotient is not None:
+            paths = quotient.rings[what[0]] if nbytes > 0 else []  # every replica's steps, on replica 0's links
+        else:
+            paths = [self.network.path(a, b) for a, b in ring.steps] if nbytes > 0 else []
+            paths = [p for p in paths if not state.sharing.is_free(p)]
         if not paths:
             self.finish_reduce(state, key, t + latency)
             return key
