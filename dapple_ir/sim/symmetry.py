@@ -12,10 +12,10 @@ where, instruction by instruction, each program holds its counterpart's with:
 - the same kind, stage, value, gradient flag, rows and parameter, and the same costs (`rank_alike`: device kind,
   stages, compute, host and optimizer prices; no shared cores, no slower receives), a tensor_allreduce of each
   value priced alike;
-- its microbatches renamed by one map per replica (microbatch numbers only match a send with its receive, and a
-  replica sends only to itself);
-- its peers the counterparts of the other's (a send's links and latency the images of the other's under one map of
-  links per replica, keeping bandwidths, no link on two replicas' paths);
+- its microbatches renamed by one map per replica (microbatch numbers match a send with its receive, and a
+  replica sends only to itself; they pair a forward with its backward);
+- at its sends and receives, its peers the counterparts of the other's (a send's links and latency the images of
+  the other's under one map of links per replica, keeping bandwidths, no link on two replicas' paths);
 - its collectives over the same group, which holds as many ranks of each replica; each step of the group's ring
   crosses only links of some replica's, and each link of replica 0's is crossed by as many steps as each of its
   images.
@@ -36,12 +36,14 @@ from itertools import compress, count
 from operator import attrgetter
 
 from dapple_ir.ir import COLLECTIVE_KINDS, Instr, InstrKind, RankProgram
+from dapple_ir.ir.scale import picked
 
 #: What a replica's instruction holds as its counterpart does, compared a program at a time.
 _SAME = attrgetter("kind", "stage", "value", "grad", "rows", "param")
 _MB, _PEER, _KIND = attrgetter("mb"), attrgetter("peer"), attrgetter("kind._value_")
 _COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 _SEND = InstrKind.SEND.value
+_MOVES = frozenset({_SEND, InstrKind.RECV.value})
 _TENSOR = InstrKind.TENSOR_ALLREDUCE.value
 
 #: (links a send from one rank to another takes time on, its latency).
@@ -115,9 +117,14 @@ class _Read:
 
     def __init__(self, instrs: list[Instr]) -> None:
         self.same = list(map(_SAME, instrs))
-        self.peers = list(map(_PEER, instrs))
-        self.mbs = list(map(_MB, instrs))
         kinds = list(map(_KIND, instrs))
+        self.moves = list(compress(count(), map(_MOVES.__contains__, kinds)))
+        """Where its sends and receives are: the only instructions whose peer anything reads."""
+        moved = picked(instrs, self.moves)
+        self.peers = list(map(_PEER, moved))
+        self.mbs = list(map(_MB, instrs))
+        """Every microbatch: a send's and its receive's match them, and the memory (where receives are posted)
+        pairs each forward's with its backward's."""
         self.collectives = list(compress(count(), map(_COLLECTIVE.__contains__, kinds)))
         """Where its collectives are."""
         first: dict[object, int] = {}
@@ -125,7 +132,7 @@ class _Read:
             first.setdefault(instrs[i].value, i)
         self.tensor = list(first.values())
         """Where the first tensor_allreduce of each value is."""
-        self.sent_to = set(compress(self.peers, map(_SEND.__eq__, kinds)))
+        self.sent_to = set(compress(self.peers, map(_SEND.__eq__, map(_KIND, moved))))
         """The ranks it sends to."""
 
 
@@ -144,7 +151,7 @@ def _image(
     mine, theirs = programs[r].instrs, programs[s].instrs
     if len(mine) != len(theirs) or read.same != list(map(_SAME, theirs)):
         return False
-    if list(map(onto.get, read.peers)) != list(map(_PEER, theirs)):
+    if list(map(onto.get, read.peers)) != list(map(_PEER, picked(theirs, read.moves))):
         return False
     their_mbs = list(map(_MB, theirs))
     local = dict(zip(read.mbs, their_mbs, strict=True))
