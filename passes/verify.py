@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dapple_ir.analysis.plan_checks import run_plan_checks
 from dapple_ir.ir import Module
-from dapple_ir.ir.scale import collector_paused
+from dapple_ir.ir.scale import Held, collector_paused, held_alike
 from dapple_ir.ir.verifier import verify_module
 from dapple_ir.registry import Pass, PassContext, register_pass
 from dapple_ir.sim.parts import meeting_parts
@@ -35,13 +35,14 @@ class Verify(Pass):
         on where it verifies after every pass): the plan checks alone."""
         with collector_paused():  # the same walks
             text = module.attrs.cluster or ctx.cluster
-            run_plan_checks(module, ctx.cluster_spec(text) if text else None, _meeting(module))
+            held = held_alike(module.programs)  # read once for the parts and every check
+            run_plan_checks(module, ctx.cluster_spec(text) if text else None, _meeting(module, held), held)
 
 
-def _meeting(module: Module) -> list[int] | None:
+def _meeting(module: Module, held: list[Held]) -> list[int] | None:
     """Where tensor groups run, the ranks of one part of each set of copies (`dapple_ir.sim.parts.meeting_parts`: the
     members of a group meet only their counterparts in other groups): the deadlock check need run on no others.
-    None elsewhere, where the ranks are one part."""
+    None elsewhere, where the ranks are one part. `held`: `held_alike` of the programs."""
     if not module.programs or all(stage.tp == 1 for stage in module.stages):
         return None
-    return sorted(rank for part in meeting_parts(module.programs) for rank in part)
+    return sorted(rank for part in meeting_parts(module.programs, held) for rank in part)

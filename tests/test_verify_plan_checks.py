@@ -249,14 +249,14 @@ def test_the_deadlock_check_runs_one_plane_and_finds_a_broken_copy() -> None:
     tensor rank's plane here. A member of the other plane whose receive never comes makes its plane no copy, and the
     check finds it, naming the instruction the check over every rank names."""
     module = copy.deepcopy(_compiled())
-    meeting = _meeting(module)
+    meeting = _meeting(module, held_alike(module.programs))
     assert meeting is not None and {module.programs[r].attrs.tensor_rank or 0 for r in meeting} == {0}
     run_plan_checks(module, None, meeting)
     program = _member(module)
     index = next(i for i, instr in enumerate(program.instrs) if instr.kind is InstrKind.RECV)
     program.instrs = list(program.instrs)
     program.instrs[index] = dataclasses.replace(program.instrs[index], mb=99)
-    meeting = _meeting(module)
+    meeting = _meeting(module, held_alike(module.programs))
     assert meeting is not None and program.rank in meeting
     with pytest.raises(VerifyError) as caught:
         run_plan_checks(module, None, meeting)

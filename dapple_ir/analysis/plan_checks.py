@@ -24,15 +24,20 @@ from dapple_ir.ir.scale import Held, held_alike, picked
 
 
 def run_plan_checks(
-    module: Module, cluster: str | ClusterSpec | None = None, meeting: Sequence[int] | None = None
+    module: Module,
+    cluster: str | ClusterSpec | None = None,
+    meeting: Sequence[int] | None = None,
+    held: list[Held] | None = None,
 ) -> None:
     """Every check that applies to the programs as they are (frees and memory only once frees exist). `meeting`: where
     the caller knows every other rank to be in a copy of a part of these (`dapple_ir.sim.parts`: ranks that meet only
     each other, whose programs map onto these instruction by instruction), the deadlock check runs on these alone;
-    where they find a problem, on every rank, to name the first."""
+    where they find a problem, on every rank, to name the first. `held`: `held_alike` of the programs as they are,
+    where the caller has it."""
     if not module.programs:
         return
-    held = held_alike(module.programs)  # what a tensor group's members hold of their lead's: read once for all checks
+    # What a tensor group's members hold of their lead's: read once for all checks.
+    held = held if held is not None else held_alike(module.programs)
     check_compute_order(module, held)
     kinds = _kinds_that_decide(module.programs)
     if kinds & _MEETS:

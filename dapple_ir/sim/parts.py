@@ -369,11 +369,13 @@ def _fields(instrs: Sequence[Instr]) -> list[tuple[object, ...]]:
     return [(i.kind, i.stage, i.value, i.grad, i.mb, i.rows, i.param) for i in instrs]
 
 
-def meeting_parts(programs: Sequence[RankProgram]) -> list[list[int]]:
+def meeting_parts(programs: Sequence[RankProgram], held: list[Held] | None = None) -> list[list[int]]:
     """The ranks in parts that meet no rank outside (sends, receives, collectives; links not counted), one part of
     each set of copies among them (instruction by instruction, whatever the devices): what a check of the programs
-    against each other, as a deadlock check, needs to run."""
+    against each other, as a deadlock check, needs to run. `held`: `held_alike` of the programs, where the caller
+    has it."""
     meetings = Meetings(programs)
+    meetings.held = held
     parts = independent_parts(programs, lambda _src, _dst: (), lambda _instr: [], meetings)
     check = CopyCheck(
         programs, lambda _r, _s: True, lambda _src, _dst: (), lambda _src, _dst: 0.0, _no_ring, [], meetings

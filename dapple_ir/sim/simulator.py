@@ -121,7 +121,7 @@ from dapple_ir.pricing.host import host_work_s, optimizer_step_s
 from dapple_ir.pricing.ops import OpPrices
 from dapple_ir.pricing.tensor import tensor_reduce_s
 from dapple_ir.sim.link_sharing import LinkSharing, Reschedule
-from dapple_ir.sim.parts import CopyCheck, independent_parts, join
+from dapple_ir.sim.parts import CopyCheck, Meetings, independent_parts, join
 from dapple_ir.sim.symmetry import ReplicaQuotient, replica_quotient
 from dapple_ir.units import format_bytes, format_seconds
 
@@ -603,6 +603,9 @@ class _Simulator:
             )
             for r, program in enumerate(module.programs)
         ]
+        # What the look at the programs for their parts finds, kept for the copy check (the programs do not change
+        # while a simulator holds them: each rank's costs hold its instructions).
+        self.meetings = Meetings(module.programs)
         self.parts = self.find_parts()
 
     def compute_s(
@@ -845,7 +848,9 @@ class _Simulator:
     def find_parts(self) -> list[list[int]]:
         """The ranks in independent parts (`dapple_ir.sim.parts.independent_parts`); ranks on one node's shared cores
         in one."""
-        parts = independent_parts(self.module.programs, self.route_links, lambda instr: self.ring_of(instr)[0])
+        parts = independent_parts(
+            self.module.programs, self.route_links, lambda instr: self.ring_of(instr)[0], self.meetings
+        )
         if self.core_paths is None:
             return parts
         by_node: dict[int, list[int]] = {}
@@ -864,6 +869,7 @@ class _Simulator:
             lambda src, dst: self.network.latency(self.devices[src], self.devices[dst]),
             lambda instr, _rank: self.ring_of(instr),
             self.bandwidth,
+            self.meetings,
         )
         return check.distinct(self.parts)
 
