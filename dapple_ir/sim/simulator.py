@@ -808,7 +808,8 @@ class _Simulator:
 
     def iteration_and_peak(self) -> tuple[float, float]:
         """(`iteration_s`, the most of `peak_bytes`) of `run` without replay, the rest of its result left out. A part
-        that is a copy of another (`dapple_ir.sim.parts`) is not run again: its timeline is the other's."""
+        that is a copy of another (`dapple_ir.sim.parts`) is not run again: its timeline is the other's; a part whose
+        data-parallel replicas are images of its first runs as that replica alone (`dapple_ir.sim.symmetry`)."""
         programs = self.module.programs
         iteration = 0.0
         distinct = self.distinct_parts()
