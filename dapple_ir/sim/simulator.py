@@ -814,7 +814,6 @@ class _Simulator:
         iteration = 0.0
         distinct = self.distinct_parts()
         for part in distinct:
-            # A part whose data-parallel replicas are images of its first runs as that one (`sim.symmetry`).
             quotient = self.replica_quotient(part)
             ranks = quotient.ranks if quotient is not None else part
             state = self.run_part(ranks, {}, None, quotient)
@@ -886,6 +885,7 @@ class _Simulator:
             self.ring_paths,
             self.tensor_s,
             self.bandwidth,
+            self.meetings.of,
         )
 
     def route_links(self, src: int, dst: int) -> tuple[int, ...]:

@@ -35,15 +35,13 @@ from dataclasses import dataclass, field
 from itertools import compress, count
 from operator import attrgetter
 
-from dapple_ir.ir import COLLECTIVE_KINDS, Instr, InstrKind, RankProgram
+from dapple_ir.ir import Instr, InstrKind, RankProgram
 from dapple_ir.ir.scale import picked
 
 #: What a replica's instruction holds as its counterpart does, compared a program at a time.
 _SAME = attrgetter("kind", "stage", "value", "grad", "rows", "param")
 _MB, _PEER, _KIND = attrgetter("mb"), attrgetter("peer"), attrgetter("kind._value_")
-_COLLECTIVE = frozenset(kind.value for kind in COLLECTIVE_KINDS)
 _SEND = InstrKind.SEND.value
-_MOVES = frozenset({_SEND, InstrKind.RECV.value})
 _TENSOR = InstrKind.TENSOR_ALLREDUCE.value
 
 #: (links a send from one rank to another takes time on, its latency).
@@ -75,18 +73,20 @@ def replica_quotient(
     ring_paths: Callable[[tuple[int, ...]], list[tuple[int, ...]]],
     tensor_price: Callable[[int, Instr], float],
     bandwidth: Sequence[float],
+    places: Callable[[int], tuple[list[int], list[int]]],
 ) -> ReplicaQuotient | None:
     """Replica 0 of `part` standing for every replica of it, where each is an image of it (the module docstring);
     None elsewhere, or where the part has one replica. `route(src, dst)`: a send's links and latency;
     `ring_paths(group)`: the links of each step of a ring over `group` that take time; `tensor_price(rank, instr)`:
-    a tensor_allreduce's seconds on `rank`; `bandwidth`: each link's."""
+    a tensor_allreduce's seconds on `rank`; `bandwidth`: each link's; `places(rank)`: where its program names a peer,
+    and where it joins a collective (`dapple_ir.sim.parts.Meetings.of`, found once for the parts too)."""
     by_replica: dict[int, list[int]] = {}
     for r in part:
         by_replica.setdefault(programs[r].attrs.replica or 0, []).append(r)
     if len(by_replica) < 2 or 0 not in by_replica or len({len(ranks) for ranks in by_replica.values()}) != 1:
         return None
     base = by_replica[0]
-    read = {r: _Read(programs[r].instrs) for r in base}
+    read = {r: _Read(programs[r].instrs, *places(r)) for r in base}
     links = _LinkMap(bandwidth)
     groups = {tuple(sorted(programs[r].instrs[i].group or ())) for r in base for i in read[r].collectives}
     for d, ranks in by_replica.items():
@@ -115,20 +115,19 @@ def replica_quotient(
 class _Read:
     """What `_image` reads of one of replica 0's programs, once for all its images."""
 
-    def __init__(self, instrs: list[Instr]) -> None:
+    def __init__(self, instrs: list[Instr], named: list[int], joined: list[int]) -> None:
         self.same = list(map(_SAME, instrs))
-        kinds = list(map(_KIND, instrs))
-        self.moves = list(compress(count(), map(_MOVES.__contains__, kinds)))
-        """Where its sends and receives are: the only instructions whose peer anything reads."""
-        moved = picked(instrs, self.moves)
+        self.moves = named
+        """Where it names a peer (its sends and receives)."""
+        moved = picked(instrs, named)
         self.peers = list(map(_PEER, moved))
         self.mbs = list(map(_MB, instrs))
         """Every microbatch: a send's and its receive's match them, and the memory (where receives are posted)
         pairs each forward's with its backward's."""
-        self.collectives = list(compress(count(), map(_COLLECTIVE.__contains__, kinds)))
+        self.collectives = joined
         """Where its collectives are."""
         first: dict[object, int] = {}
-        for i in compress(count(), map(_TENSOR.__eq__, kinds)):
+        for i in compress(count(), map(_TENSOR.__eq__, map(_KIND, instrs))):
             first.setdefault(instrs[i].value, i)
         self.tensor = list(first.values())
         """Where the first tensor_allreduce of each value is."""
