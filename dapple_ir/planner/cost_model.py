@@ -365,7 +365,7 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
         return _evaluate_interleaved(problem, cand)
     _check_splits(problem, cand)
     n = len(cand.stages)
-    after: tuple[float, float] | None = None
+    after: tuple[float, ...] | None = None
     h = -math.inf
     peaks, caps, busies = [0.0] * n, [0.0] * n, [0.0] * n
     loads: dict[int, float] = {}
@@ -375,7 +375,7 @@ def evaluate(problem: Problem, cand: Candidate) -> Estimate:
     halves = split_stages(problem, cand)
     for s in range(n - 1, -1, -1):
         price = stage_price(problem, cand, s, after, left_out[s], loads, held[s], halves[s])
-        after = price.g, price.r
+        after = price.state
         h = max(price.tail, h - (price.bwd + price.cut))
         busies[s], peaks[s] = price.busy, price.peak
         caps[s] = min(problem.capacity(d) for d in cand.stages[s].devices)
@@ -402,8 +402,8 @@ def _check_splits(problem: Problem, cand: Candidate) -> None:
 class StagePrice:
     """What `stage_price` works out for one stage of a candidate."""
 
-    g: float
-    r: float
+    state: tuple[float, ...]
+    """(G, R, ...): `pricing.pipeline.stage_step`."""
     busy: float
     fwd: float
     bwd: float
@@ -417,13 +417,13 @@ def stage_price(
     problem: Problem,
     cand: Candidate,
     s: int,
-    after: tuple[float, float] | None,
+    after: tuple[float, ...] | None,
     left_out: float,
     loads: dict[int, float],
     warm: int,
     halves: bool = False,
 ) -> StagePrice:
-    """Stage s of `cand` priced with the stage after it (`after`: its (G, R), `pricing.pipeline.stage_step`),
+    """Stage s of `cand` priced with the stage after it (`after`: its state, `pricing.pipeline.stage_step`),
     its cut's and ring's bytes added to `loads`; a replica holds `warm` microbatches at once
     (`pricing.pipeline.replica_in_flight`); `halves`: zb-h1 splits its backward (`pricing.pipeline.split_backwards`;
     a zb-h1 stage that does not runs and is priced as 1f1b's)."""
@@ -458,12 +458,12 @@ def stage_price(
     ring = problem.ring(st.devices)
     _add(loads, ring.crossings, ring.step_bytes(grads))
     tail = problem.gradient_tail_s(st.lo, st.hi, st.devices, grads, cand.shards(s))
-    g, r = stage_step(schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
+    state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
     shards = st.replicas if cand.shards(s) else 1
     peak = stage_memory(
         problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards, warm
     )
-    return StagePrice(g, r, busy, fwd, bwd, c, tail, peak)
+    return StagePrice(state, busy, fwd, bwd, c, tail, peak)
 
 
 def _estimate(

@@ -2,14 +2,14 @@
 cost model of `cost_model.evaluate` when the Pareto fronts are not capped.
 
 The recursion runs from the last stage to the first, one `pricing.pipeline.stage_step` per stage:
-the suffix of layers [i, L) placed from device-order offset d has a Pareto front of (G, H, R, n,
-loads) — pipeline time seen from its first stage, unhidden allreduce and optimizer step, its first
-microbatch's round trip, stage count, and the bytes its cuts and allreduces push through each
-network card. G, H, R and every card's load grow monotonically with the suffix's, so the front is
-all a predecessor needs; exact fronts keep stage counts apart (more stages after a stage let it run
-more forwards before its first backward). The card floor is the busiest card's load over its
-bandwidth. The cut before the suffix adds to the cards of the suffix's first stage, so with uncapped
-fronts entries are kept apart by where that stage lies. Every price comes from `pricing` as
+the suffix of layers [i, L) placed from device-order offset d has a Pareto front of (G, H, state, n,
+loads) — pipeline time seen from its first stage, unhidden allreduce and optimizer step, the stage state
+`stage_step` hands on (its first microbatch's round trip R; gpipe's phases), stage count, and the bytes its cuts and
+allreduces push through each network card. G, H, the state and every card's load grow monotonically with the
+suffix's, so the front is all a predecessor needs; exact fronts keep stage counts apart (more stages after a stage
+let it run more forwards before its first backward). The card floor is the busiest card's load over its bandwidth.
+The cut before the suffix adds to the cards of the suffix's first stage, so with uncapped fronts entries are kept apart
+by where that stage lies. Every price comes from `pricing` as
 `evaluate` reads it: compute at the stage's rows, the host's work per instruction and message,
 zb-h1's split backward, each parameter once, the ring allreduce with the hosts' reduction, the
 optimizer step, and each cut over the links it shares.
@@ -52,7 +52,7 @@ from dapple_ir.planner.cost_model import (
 )
 from dapple_ir.pricing.collectives import ring_step_bytes
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import caps_warmup, in_flight, stage_step
+from dapple_ir.pricing.pipeline import caps_warmup, in_flight, no_later, stage_step
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
@@ -86,14 +86,15 @@ def policies_for(cluster: ClusterSpec, policies: tuple[str, ...]) -> list[str]:
     return list(policies)
 
 
-# A suffix plan: (g, h, n, alone, start, replicas, end, child, objective, loads, floor). g: pipeline
+# A suffix plan: (g, h, n, alone, start, replicas, end, child, objective, loads, floor, state). g: pipeline
 # time seen from its first stage; h: allreduce not hidden; n: stages; alone: its first stage lies on
 # one node only, the node of the device before `start`; the first stage holds layers up to `end` on
 # devices from `start`; loads: bytes per card link (a tuple), or with many cards the floor of the
 # stages' own traffic (a float); floor: the card floor in seconds; objective:
-# max(g + max(0, h), floor), the iteration time if the plan started here.
+# max(g + max(0, h), floor), the iteration time if the plan started here; state: its first stage's
+# `stage_step` (g first).
 _Entry = tuple  # plain tuples: the DP creates millions of them
-_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE, _LOADS, _FLOOR, _R = range(12)
+_G, _H, _N, _ALONE, _START, _REPLICAS, _END, _CHILD, _OBJECTIVE, _LOADS, _FLOOR, _STATE = range(12)
 # Keys as C callables: the DP sorts millions of entries.
 _objective = itemgetter(_OBJECTIVE)
 _order_key = itemgetter(_G, _H, _N)
@@ -351,9 +352,10 @@ class _Search:
             if j == self.layers:
                 if static + in_flight(schedule, 1, per) * act <= cap:
                     loads, floor = self.add(self.empty_loads, 0.0, ring, peak, step, (), 0.0)
-                    g, r_trip = stage_step(schedule, busy, fwd, bwd, 0.0, 0.0, in_flight(schedule, 1, per), per, None)
+                    state = stage_step(schedule, busy, fwd, bwd, 0.0, 0.0, in_flight(schedule, 1, per), per, None)
+                    g = state[0]
                     objective = max(floor, g + ar if ar > 0.0 else g)
-                    found.append((g, ar, 1, alone, start, r, j, None, objective, loads, floor, r_trip))
+                    found.append((g, ar, 1, alone, start, r, j, None, objective, loads, floor, state))
                 continue
             runs = 1 if split_here else r
             for child in self.suffix(j, start + r):
@@ -365,7 +367,8 @@ class _Search:
                 if caps_warmup(schedule, runs, child_runs, child[_N], m):
                     continue  # the next stage's replicas would starve (a leave-out, module docstring)
                 c, late = self.crossing(start, r, split_here, fwd, j, child)
-                g, r_trip = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, (child[_G], child[_R]))
+                state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, child[_STATE])
+                g = state[0]
                 if g > self.bound:
                     continue
                 h = max(ar, child[_H] - (bwd + c))
@@ -377,7 +380,7 @@ class _Search:
                     floor = max(child[_FLOOR], step * peak)
                     loads = floor
                 objective = max(floor, g + h if h > 0.0 else g)
-                found.append((g, h, n, alone, start, r, j, child, objective, loads, floor, r_trip))
+                found.append((g, h, n, alone, start, r, j, child, objective, loads, floor, state))
 
 
 def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placement: bool) -> tuple[_Entry, ...]:
@@ -403,10 +406,9 @@ def _prune(entries: list[_Entry], *, exact_n: bool, front: int | None, by_placem
         pool.sort(key=_order_key)
         kept: list[_Entry] = []
         for e in pool:
-            h, n, loads = e[_H], e[_N], e[_LOADS]
-            trip = e[_R]
+            h, n, loads, state = e[_H], e[_N], e[_LOADS], e[_STATE]
             for k in kept:
-                if k[_H] <= h and k[_N] <= n and k[_R] <= trip and _lighter(k[_LOADS], loads):
+                if k[_H] <= h and k[_N] <= n and no_later(k[_STATE], state) and _lighter(k[_LOADS], loads):
                     break
             else:
                 kept.append(e)

@@ -270,8 +270,8 @@ class _Model:
         return y
 
     def stage(self, s: int, after: tuple[cp_model.IntVar, ...] | None) -> tuple[cp_model.IntVar, ...]:
-        """Stage s's part of the recursion, given the next stage's (G, H, R) in `after` (None for the last): its own
-        (G, H, R)."""
+        """Stage s's part of the recursion, given the next stage's (G, H, R[, gpipe's Qf, Qb, Pf, Pb]) in `after`
+        (None for the last): its own."""
         f, bw, busy, ar = self.work(s)
         c, late = self.cut(s, f)
         md, prices = self.md, self.prices
@@ -279,17 +279,53 @@ class _Model:
         trip = md.new_int_var(0, 4 * _BIG, f"R{s}")
         md.add(g >= busy)
         md.add(h >= ar)
+        if after is not None:
+            md.add(4 * g >= prices.share_num * (f + bw) + 8 * c + 4 * late + 4 * after[0])
+            md.add(h >= after[1] - bw - c)
+        if self.schedule == "gpipe":
+            return g, h, trip, *self.phases(s, (f, bw, c, late), g, trip, after)
         if after is None:
             md.add(4 * trip >= 4 * f + prices.back_num * bw)
             return g, h, trip
-        g_next, h_next, r_next = after
-        md.add(4 * g >= prices.share_num * (f + bw) + 8 * c + 4 * late + 4 * g_next)
-        md.add(h >= h_next - bw - c)
+        r_next = after[2]
         back = md.new_int_var(0, 4 * _BIG, f"trip{s}")
         md.add(back == 2 * c + late + r_next)
         counts = (prices.microbatches, self.stages - s)
         _stall(md, self.schedule, (f, bw, busy, g, trip), back, (prices.choices, self.onehot[s]), counts)
         return g, h, trip
+
+    def phases(
+        self,
+        s: int,
+        times: tuple[cp_model.IntVar, ...],
+        g: cp_model.IntVar,
+        trip: cp_model.IntVar,
+        after: tuple[cp_model.IntVar, ...] | None,
+    ) -> tuple[cp_model.IntVar, ...]:
+        """gpipe's phases of stage s (`pricing.pipeline.stage_step`) as lower bounds, G >= Qf + Qb and R >= Pf + Pb:
+        its (Qf, Qb, Pf, Pb), from its (F, B, c, late) in `times` and the next stage's in `after`."""
+        md = self.md
+        f, bw, c, late = times
+        qf, qb, pf, pb = (md.new_int_var(0, 4 * _BIG, f"{name}{s}") for name in ("Qf", "Qb", "Pf", "Pb"))
+        md.add(g >= qf + qb)
+        md.add(trip >= pf + pb)
+        if after is None:
+            md.add(pf >= f)
+            md.add(pb >= bw)
+            ahead: cp_model.LinearExpr = md.new_constant(0)
+            behind: cp_model.LinearExpr = md.new_constant(0)
+        else:
+            qf_next, qb_next, pf_next, pb_next = after[3:]
+            md.add(pf >= f + c + pf_next)
+            md.add(pb >= bw + c + pb_next)
+            md.add(qf >= f + c + late + qf_next)
+            md.add(qb >= qb_next + c + bw)
+            ahead, behind = c + pf_next, c + pb_next
+        for r, chosen in zip(self.prices.choices, self.onehot[s], strict=True):
+            per = -(-self.prices.microbatches // r)
+            md.add(qf >= per * f + ahead).only_enforce_if(chosen)
+            md.add(qb >= per * bw + behind).only_enforce_if(chosen)
+        return qf, qb, pf, pb
 
     def work(self, s: int) -> tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]:
         """Stage s's forward F and backward B per microbatch, its busy time and its allreduce AR (the ring's part
@@ -452,10 +488,6 @@ def _stall(
     f, bw, busy, g, r_trip = stage
     back_num = round(BACK_SHARE.get(schedule, 1.0) * 4)
     m, stages_after = counts
-    if schedule == "gpipe":
-        md.add(g >= busy + trip)
-        md.add(4 * r_trip >= 4 * f + 4 * trip + back_num * bw)
-        return
     x = md.new_int_var(0, 4 * 10**12, f"X{stages_after}")
     md.add(x >= f + trip)
     md.add(4 * r_trip >= 4 * x + back_num * bw)
