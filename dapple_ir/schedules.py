@@ -169,12 +169,15 @@ def gpipe(request: ScheduleRequest) -> dict[int, list[Work]]:
 def warmups(request: ScheduleRequest) -> list[int]:
     """Group-wide warm-up forwards of each stage under DAPPLE's early backward: each of a stage's R replicas
     keeps S - s of its own microbatches in flight, so the stage warms up with (S - s) R of them, at most M, and
-    at most what the stage before it warms up with (more would wait for a forward the stage before runs only
-    after a backward that waits for this stage: a deadlock)."""
+    at least what the stage after it warms up with. Fewer would deadlock (the later stage would wait for a forward
+    this one runs only after a backward that waits for the later stage), and capping the later stage instead starves
+    it: with stages of 1, 2 and 1 replicas, each of the middle stage's replicas would then hold one microbatch before
+    its first backward, and every round trip would wait for the one before (twice the time, simulated)."""
     found: list[int] = []
-    for s, r in enumerate(request.replicas):
-        found.append(min((request.stages - s) * r, request.microbatches, found[-1] if found else request.microbatches))
-    return found
+    for s in range(request.stages - 1, -1, -1):
+        want = min((request.stages - s) * request.replicas[s], request.microbatches)
+        found.append(max(want, found[-1]) if found else want)
+    return found[::-1]
 
 
 def _early_backward(stage: int, warmup: int, m: int, backward: Callable[[int], list[Work]]) -> list[Work]:

@@ -15,7 +15,7 @@ from dapple_ir.cluster.spec import ClusterSpec, Link, parse_shorthand
 from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, StageChoice, candidate, evaluate, place
 from dapple_ir.planner.dp import replica_choices, solve
 from dapple_ir.planner.ilp import solve_ilp
-from dapple_ir.pricing.pipeline import starves
+from dapple_ir.pricing.pipeline import raised_warmups
 from tests.paths import ROOT
 
 GB = 1e9
@@ -59,7 +59,7 @@ def _exhaustive(
             bounds = [0, *cuts, layers]
             for reps in itertools.product(choices, repeat=s):
                 cand = candidate(problem, bounds, list(reps), microbatches, schedule, policy, "exhaustive")
-                if cand is None or _starves(cand):
+                if cand is None or _raised(cand):
                     continue
                 est = evaluate(problem, cand)
                 if est.fits:
@@ -67,10 +67,10 @@ def _exhaustive(
     return best
 
 
-def _starves(cand: Candidate) -> bool:
-    """Outside the solvers' space: a stage whose warm-up leaves the next one's replicas starving (`starves`)."""
+def _raised(cand: Candidate) -> bool:
+    """Outside the solvers' space: a stage that warms up for the next one's replicas (`raised_warmups`)."""
     split = [cand.splits(k) for k in range(len(cand.stages))]
-    return starves(cand.schedule, cand.replicas, split, cand.microbatches)
+    return raised_warmups(cand.schedule, cand.replicas, split, cand.microbatches)
 
 
 CLUSTERS = ["2x2xV100-16GB", "4xV100-16GB", "3x1xV100-16GB"]

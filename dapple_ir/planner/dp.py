@@ -20,9 +20,9 @@ allreduce of a tied parameter whose readers fall in different stages (summed ove
 floor of ranks sharing a node's cores, and, on clusters with more than `EXACT_CARDS` card links, every
 card's load (it carries only the floor of each stage's own allreduce, a lower bound that stays cheap on a
 thousand devices) and prices a cut between two unsplit stages over the one link the placement uses, not
-the links it shares with what crosses at once. It does not propose a stage with fewer replicas than
-the next one needs to warm up with (`pricing.pipeline.caps_warmup`: 1f1b would leave each of that
-stage's replicas fewer microbatches in flight than its S - s, and they starve). Under zb-h1 it splits every
+the links it shares with what crosses at once. It does not propose a stage that must warm up with more
+than its own S - s to feed the next one's replicas (`pricing.pipeline.raises_warmup`: more replicas after fewer; the
+stage's microbatches in flight would depend on the stages after its child). Under zb-h1 it splits every
 stage's backward, where the schedule runs whole backwards on a stage whose split would hold more than 1f1b's fullest
 rank (`pricing.pipeline.split_backwards`: it needs the whole plan's bytes). Outside those, the
 DP's objective for its plan is `evaluate`'s iteration time (`tests/test_pricing.py`).
@@ -52,7 +52,7 @@ from dapple_ir.planner.cost_model import (
 )
 from dapple_ir.pricing.collectives import ring_step_bytes
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import caps_warmup, in_flight, no_later, stage_step
+from dapple_ir.pricing.pipeline import in_flight, no_later, raises_warmup, stage_step
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
@@ -364,8 +364,8 @@ class _Search:
                 if n > self.limit or static + warm * act > cap:
                     continue
                 child_runs = 1 if child[_REPLICAS] in self.split_counts else child[_REPLICAS]
-                if caps_warmup(schedule, runs, child_runs, child[_N], m):
-                    continue  # the next stage's replicas would starve (a leave-out, module docstring)
+                if raises_warmup(schedule, runs, child_runs, child[_N], m):
+                    continue  # this stage would warm up for the next one's replicas (a leave-out, module docstring)
                 c, late = self.crossing(start, r, split_here, fwd, j, child)
                 state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, child[_STATE])
                 g = state[0]

@@ -26,7 +26,7 @@ from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate
 from dapple_ir.planner.dp import replica_choices
 from dapple_ir.pricing.collectives import ring_step_ratio
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, caps_warmup, in_flight
+from dapple_ir.pricing.pipeline import BACK_SHARE, PATH_SHARE, in_flight, raises_warmup
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 if TYPE_CHECKING:
@@ -92,7 +92,9 @@ def solve_ilp(
     model = _Model(problem, stages, _prices(problem, microbatches, schedule), schedule)
     if hint is not None and len(hint.stages) == stages:
         model.hint(hint)
-    solver, status = _solve(model.md, time_limit_s)
+    solver, status, presolved = _solve(model.md, time_limit_s)
+    if status == cp_model.OPTIMAL:
+        solver, status = _confirm(model, solver, not presolved, time_limit_s)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return model.solution(solver, status == cp_model.OPTIMAL)
@@ -289,7 +291,7 @@ class _Model:
             return g, h, trip
         r_next = after[2]
         back = md.new_int_var(0, 4 * _BIG, f"trip{s}")
-        md.add(back == 2 * c + late + r_next)
+        md.add(back == 2 * c + r_next)
         counts = (prices.microbatches, self.stages - s)
         _stall(md, self.schedule, (f, bw, busy, g, trip), back, (prices.choices, self.onehot[s]), counts)
         return g, h, trip
@@ -411,8 +413,8 @@ class _Model:
             for r2, nxt in nexts.items():
                 stagger = round(stagger_s(1.0, r, False, r2, False, m))
                 md.add(late == stagger * f).only_enforce_if([here, nxt])
-                if caps_warmup(self.schedule, r, r2, after, m):
-                    md.add_bool_or([here.negated(), nxt.negated()])  # the DP's space: no starved replicas
+                if raises_warmup(self.schedule, r, r2, after, m):
+                    md.add_bool_or([here.negated(), nxt.negated()])  # the DP's space: no raised warm-up
         return c, late
 
     def objective(self, g0: cp_model.IntVar, h0: cp_model.IntVar) -> None:
@@ -428,6 +430,7 @@ class _Model:
                 if terms:
                     md.add(floor * self.cards.per_coarse[link] >= sum(terms))
         md.minimize(t)
+        self.t = t
 
     def hint(self, hint: Candidate) -> None:
         """Start the search from `hint`'s cuts and replica counts."""
@@ -453,25 +456,49 @@ class _Model:
         return IlpSolution(cand, estimate, optimal, bound_s, gap, self.cards.floored)
 
 
-def _solve(md: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
+def _solve(md: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus, bool]:
     """Solve `md` with CP-SAT's search alone, and again with its presolve where the search alone calls it
-    infeasible. Both are wrong somewhere on this model (ortools 9.15): the presolve loses the optimum once the
-    placement one-hots are in (it proved a VGG-19 plan on 4x8xH100 optimal that the DP beat by 18 %), and the
-    search alone calls small feasible models infeasible (2 stages of 2 or 3 layers on 3 devices: found by
-    `tests/test_pricing.py` against exhaustive search). Each is right where the other fails on every case tested."""
+    infeasible; the last flag says whether the answer came with the presolve. Both are wrong somewhere on this model
+    (ortools 9.15): the presolve loses the optimum once the placement one-hots are in (it proved a VGG-19 plan on
+    4x8xH100 optimal that the DP beat by 18 %), and the search alone calls small feasible models infeasible (2 stages
+    of 2 or 3 layers on 3 devices: found by `tests/test_pricing.py` against exhaustive search), or proves a plan optimal
+    that is not (zb-h1 on 3 layers, 3 devices: 132.5 ms where 110.9 ms exists); `_confirm` asks the other mode."""
     from ortools.sat.python import cp_model
 
-    solver = cp_model.CpSolver()
-    status = cp_model.UNKNOWN
+    solver, status, presolve = cp_model.CpSolver(), cp_model.UNKNOWN, False
     for presolve in (False, True):
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
-        solver.parameters.num_workers = 2
-        solver.parameters.cp_model_presolve = presolve
+        solver = _run(md, time_limit_s, presolve)
         status = solver.solve(md)
         if status != cp_model.INFEASIBLE:
             break
-    return solver, status
+    return solver, status, presolve
+
+
+def _run(md: cp_model.CpModel, time_limit_s: float, presolve: bool) -> cp_model.CpSolver:
+    """A solver for `md` with its time limit, two workers, and CP-SAT's presolve on or off."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
+    solver.parameters.num_workers = 2
+    solver.parameters.cp_model_presolve = presolve
+    return solver
+
+
+def _confirm(
+    model: _Model, solver: cp_model.CpSolver, presolve: bool, time_limit_s: float
+) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
+    """An optimum `solver` proved, asked again of the mode that did not prove it (`presolve`, `_solve`): is any plan
+    strictly faster? None (infeasible): the optimum stands. One: the new search's answer replaces it, proven where that
+    search finished. No answer in the time limit: the plan stands, unproven."""
+    from ortools.sat.python import cp_model
+
+    model.md.add(model.t <= round(solver.objective_value) - 1)
+    again = _run(model.md, time_limit_s, presolve)
+    status = again.solve(model.md)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return again, status
+    return solver, cp_model.OPTIMAL if status == cp_model.INFEASIBLE else cp_model.FEASIBLE
 
 
 def _stall(
@@ -495,7 +522,7 @@ def _stall(
         per = -(-m // r)
         warm = in_flight(schedule, stages_after, per)
         md.add(x >= warm * f).only_enforce_if(chosen)
-        md.add(4 * warm * g >= per * (4 * f + 4 * trip + back_num * bw)).only_enforce_if(chosen)
+        md.add(warm * g >= per * (f + trip + bw)).only_enforce_if(chosen)
         if schedule == "zb-h1" or per <= warm:
             md.add(g >= busy + x - warm * f).only_enforce_if(chosen)
             continue
