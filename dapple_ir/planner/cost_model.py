@@ -81,7 +81,14 @@ from dataclasses import dataclass
 from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.pricing.layers import Problem, op_roofline, problem_from_module, roofline_ops
-from dapple_ir.pricing.pipeline import in_flight, interleaved_held, replica_in_flight, split_backwards, stage_step
+from dapple_ir.pricing.pipeline import (
+    in_flight,
+    interleaved_held,
+    rendezvous_s,
+    replica_in_flight,
+    split_backwards,
+    stage_step,
+)
 from dapple_ir.pricing.traffic import busiest, cut_crossings, cut_s
 from dapple_ir.schedules import StageMemory
 
@@ -275,8 +282,16 @@ def cut_transfer_s(
     microbatches that cross at once (`traffic.cut_s`): a split stage's pieces of one microbatch, a
     round-robin stage's R replicas' microbatches side by side (eight replicas on one server behind one
     card send eight microbatches through it together)."""
+    return cut_transfer(problem, a, b, split, nbytes, rows)[0]
+
+
+def cut_transfer(
+    problem: Problem, a: tuple[int, ...], b: tuple[int, ...], split: tuple[bool, bool], nbytes: float, rows: int
+) -> tuple[float, float]:
+    """(c, its time from a late receive's post): `cut_transfer_s` and `pricing.pipeline.rendezvous_s`."""
     per_byte, latency = cut_s(problem.network, a, b, split, rows)
-    return latency + nbytes * per_byte if nbytes > 0 and per_byte > 0 else 0.0
+    c = latency + nbytes * per_byte if nbytes > 0 and per_byte > 0 else 0.0
+    return c, rendezvous_s(c, latency)
 
 
 def cut_link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> Link:
@@ -446,19 +461,19 @@ def stage_price(
     bwd += problem.host_s(st.devices, 1 + halves, neighbours)
     per_replica = m if cand.splits(s) else -(-m // st.replicas)
     busy = per_replica * (fwd + bwd)
-    c = late = 0.0
+    c = late = exposed = 0.0
     if s < n - 1:
         nbytes = problem.cut_bytes[st.hi - 1] * b / problem.batch
         nxt = cand.stages[s + 1]
         split = (cand.splits(s), cand.splits(s + 1))
-        c = cut_transfer_s(problem, st.devices, nxt.devices, split, nbytes, b)
+        c, exposed = cut_transfer(problem, st.devices, nxt.devices, split, nbytes, b)
         _add(loads, cut_crossings(problem.network, st.devices, nxt.devices, m, split, b), nbytes)
         late = stagger_s(fwd, st.replicas, cand.splits(s), nxt.replicas, cand.splits(s + 1), m)
     grads = max(0.0, problem.grads_of(st.lo, st.hi) - left_out)
     ring = problem.ring(st.devices)
     _add(loads, ring.crossings, ring.step_bytes(grads))
     tail = problem.gradient_tail_s(st.lo, st.hi, st.devices, grads, cand.shards(s))
-    state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per_replica, after)
+    state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per_replica, after, exposed)
     shards = st.replicas if cand.shards(s) else 1
     peak = stage_memory(
         problem, st.lo, st.hi, cand.schedule, n - s, per_replica, rows, cand.recomputes(s), shards, warm

@@ -52,7 +52,7 @@ from dapple_ir.planner.cost_model import (
 )
 from dapple_ir.pricing.collectives import ring_step_bytes
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import in_flight, no_later, raises_warmup, stage_step
+from dapple_ir.pricing.pipeline import in_flight, no_later, raises_warmup, rendezvous_s, stage_step
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
@@ -280,10 +280,13 @@ class _Search:
             floor = max(floor, new[k] * inverse[k])
         return tuple(new), floor
 
-    def crossing(self, start: int, r: int, split_here: bool, fwd: float, j: int, child: _Entry) -> tuple[float, float]:
-        """(c, l) of the cut after layer j - 1 from devices [start, start + r) into `child`: its transfer over
-        the links it shares with what crosses at once (`cost_model.cut_transfer_s`), and how late the child's
-        last round-robin replica starts (`stagger_s`)."""
+    def crossing(
+        self, start: int, r: int, split_here: bool, fwd: float, j: int, child: _Entry
+    ) -> tuple[float, float, float]:
+        """(c, l, its rendezvous) of the cut after layer j - 1 from devices [start, start + r) into `child`: its
+        transfer over the links it shares with what crosses at once (`cost_model.cut_transfer`), how late the child's
+        last round-robin replica starts (`stagger_s`), and a message's time from a late receive's post
+        (`pricing.pipeline.rendezvous_s`)."""
         nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in self.split_counts
         x = self.problem.cut_bytes[j - 1] * self.cut_scale
         if self.vector or split_here or nxt_split:
@@ -292,8 +295,9 @@ class _Search:
         else:
             # Many cards, neither side split: the one link the placement uses (a leave-out, module docstring).
             one_node = self.node[start] == self.node[child[_START]] == self.node[child[_START] + nxt - 1]
-            c = (self.cluster.intra if one_node else self.cluster.inter).transfer_s(x)
-        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m)
+            link = self.cluster.intra if one_node else self.cluster.inter
+            c, lat = link.transfer_s(x), link.latency
+        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m), rendezvous_s(c, lat)
 
     def _spans_from(self, i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
         """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples, each
@@ -366,8 +370,8 @@ class _Search:
                 child_runs = 1 if child[_REPLICAS] in self.split_counts else child[_REPLICAS]
                 if raises_warmup(schedule, runs, child_runs, child[_N], m):
                     continue  # this stage would warm up for the next one's replicas (a leave-out, module docstring)
-                c, late = self.crossing(start, r, split_here, fwd, j, child)
-                state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, child[_STATE])
+                c, late, exposed = self.crossing(start, r, split_here, fwd, j, child)
+                state = stage_step(schedule, busy, fwd, bwd, c, late, warm, per, child[_STATE], exposed)
                 g = state[0]
                 if g > self.bound:
                     continue

@@ -272,10 +272,10 @@ class _Model:
         return y
 
     def stage(self, s: int, after: tuple[cp_model.IntVar, ...] | None) -> tuple[cp_model.IntVar, ...]:
-        """Stage s's part of the recursion, given the next stage's (G, H, R[, gpipe's Qf, Qb, Pf, Pb]) in `after`
-        (None for the last): its own."""
+        """Stage s's part of the recursion, given the next stage's (G, H, R, busy, B[, or gpipe's Qf, Qb, Pf, Pb]) in
+        `after` (None for the last): its own."""
         f, bw, busy, ar = self.work(s)
-        c, late = self.cut(s, f)
+        c, late, exposed = self.cut(s, f)
         md, prices = self.md, self.prices
         g, h = md.new_int_var(0, _BIG, f"G{s}"), md.new_int_var(-_BIG, _BIG, f"H{s}")
         trip = md.new_int_var(0, 4 * _BIG, f"R{s}")
@@ -286,15 +286,44 @@ class _Model:
             md.add(h >= after[1] - bw - c)
         if self.schedule == "gpipe":
             return g, h, trip, *self.phases(s, (f, bw, c, late), g, trip, after)
+        own = self.waits(s, (f, busy, exposed), g, after, prices.share_num * (f + bw) + 8 * c + 4 * late)
         if after is None:
             md.add(4 * trip >= 4 * f + prices.back_num * bw)
-            return g, h, trip
-        r_next = after[2]
+            return g, h, trip, own, bw
         back = md.new_int_var(0, 4 * _BIG, f"trip{s}")
-        md.add(back == 2 * c + r_next)
+        md.add(back == 2 * c + after[2])
         counts = (prices.microbatches, self.stages - s)
-        _stall(md, self.schedule, (f, bw, busy, g, trip), back, (prices.choices, self.onehot[s]), counts)
-        return g, h, trip
+        _stall(md, self.schedule, (f, bw, own, g, trip), back, (prices.choices, self.onehot[s]), counts)
+        return g, h, trip, own, bw
+
+    def steady(self, s: int, r: int) -> int:
+        """Stage s's microbatches per replica past its warm-up at r replicas (`pricing.pipeline.stage_step`)."""
+        per = -(-self.prices.microbatches // r)
+        return max(0, per - in_flight(self.schedule, self.stages - s, per))
+
+    def waits(
+        self,
+        s: int,
+        work: tuple[cp_model.IntVar, ...],
+        g: cp_model.IntVar,
+        after: tuple[cp_model.IntVar, ...] | None,
+        path: cp_model.LinearExpr,
+    ) -> cp_model.IntVar:
+        """Stage s's busy time with its waits for gradients (`pricing.pipeline.stage_step`), from its (F, busy, the
+        cut's rendezvous) in `work`; with the next stage's (busy, B) in `after`, G no less than the way to that stage
+        (`path`, in quarters) and its busy time with its waits for inputs over this cut."""
+        md = self.md
+        f, busy, exposed = work
+        own = md.new_int_var(0, 4 * _BIG, f"own{s}")
+        md.add(own >= busy)
+        for r, chosen in zip(self.prices.choices, self.onehot[s], strict=True):
+            md.add(own >= busy + self.steady(s, r) * (exposed - f)).only_enforce_if(chosen)
+        if after is not None:
+            own_next, bw_next = after[3], after[4]
+            for r, chosen in zip(self.prices.choices, self.onehot[s + 1], strict=True):
+                feed = 4 * own_next + 4 * self.steady(s + 1, r) * (exposed - bw_next)
+                md.add(4 * g >= path + feed).only_enforce_if(chosen)
+        return own
 
     def phases(
         self,
@@ -377,10 +406,11 @@ class _Model:
                     numerator, denominator = ring_step_ratio(r)
                     md.add(denominator * rings[link] >= numerator * k * grads).only_enforce_if(place)
 
-    def cut(self, s: int, f: cp_model.IntVar) -> tuple[cp_model.IntVar, cp_model.IntVar]:
+    def cut(self, s: int, f: cp_model.IntVar) -> tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]:
         """c: the cut's transfer after stage s at its placement and the next stage's replica count (which starts
-        where this one ends), sharing links as `cost_model.cut_transfer_s` says; `late`: how much later the next
-        stage's last round-robin replica starts (`cost_model.stagger_s`). Both 0 after the last stage."""
+        where this one ends), sharing links as `cost_model.cut_transfer` says; `late`: how much later the next
+        stage's last round-robin replica starts (`cost_model.stagger_s`); a message's time from a late receive's
+        post (`pricing.pipeline.rendezvous_s`). All 0 after the last stage."""
         md, cards, choices = self.md, self.cards, self.prices.choices
         x_s = self.element(self.e[s + 1], cards.cut_x, f"x{s}") if s < self.stages - 1 else None
         nexts = dict(zip(choices, self.onehot[s + 1], strict=True)) if x_s is not None else {}
@@ -389,22 +419,27 @@ class _Model:
             _cut_loads(md, self.card_load, cards.cut_cards, self.y[s], nexts, cut, s)
         c = md.new_int_var(0, _BIG, f"c{s}")
         late = md.new_int_var(0, _BIG, f"late{s}")
+        exposed = md.new_int_var(0, 2 * _BIG, f"rendezvous{s}")
         if x_s is None:
             md.add(c == 0)
             md.add(late == 0)
-            return c, late
+            md.add(exposed == 0)
+            return c, late, exposed
         # A cut that carries no bytes costs nothing, not even a latency (as the cost model has it). c is
         # pinned (rounded up), not just bounded: a longer c would shorten the unhidden allreduce H.
         carries = md.new_bool_var(f"carries{s}")
         md.add(x_s >= 1).only_enforce_if(carries)
         md.add(x_s == 0).only_enforce_if(carries.negated())
         md.add(c == 0).only_enforce_if(carries.negated())
+        md.add(exposed == 0).only_enforce_if(carries.negated())
         for (o, r), place in self.y[s].items():
             for r2, nxt in nexts.items():
                 lat, coef = cards.cut_times.get((o, r, r2), (0, 0))
                 if coef == 0:
                     md.add(c == 0).only_enforce_if([place, nxt])
+                    md.add(exposed == 0).only_enforce_if([place, nxt])
                     continue
+                md.add(exposed == c + lat).only_enforce_if([place, nxt, carries])
                 exact = lat * 2**16 + coef * x_s
                 md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
                 md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
@@ -415,7 +450,7 @@ class _Model:
                 md.add(late == stagger * f).only_enforce_if([here, nxt])
                 if raises_warmup(self.schedule, r, r2, after, m):
                     md.add_bool_or([here.negated(), nxt.negated()])  # the DP's space: no raised warm-up
-        return c, late
+        return c, late, exposed
 
     def objective(self, g0: cp_model.IntVar, h0: cp_model.IntVar) -> None:
         """Minimise T: the first stage's G, plus its unhidden allreduce H, and no less than the card floor."""

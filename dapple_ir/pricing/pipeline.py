@@ -19,7 +19,18 @@ first microbatch) delays that replica's work, G', and no round trip: the first m
 and each later one to a replica that has started. A round trip of the loop takes the whole backward: zb-h1 hands the
 input gradient back after its input pass, but a stage runs that microbatch's weight pass before its next forward.
 Priced with l in every round trip and the loop at the input pass, 1f1b and zb-h1 with one replica feeding two were up
-to 18 % over and 22 % under the simulation. A stage's state is (G, R); gpipe's carries its two phases too.
+to 18 % over and 22 % under the simulation.
+
+A message whose receive is posted after its send takes W = c + latency from the post (`rendezvous_s`: the ready
+notice goes back first), and the runtime posts a receive one compute ahead of the one that needs it. Past its
+warm-up a stage posts each gradient's receive before the forward ahead of that backward, and each input's before the
+backward ahead of that forward; a stage that is behind waits W - F, or W - B, for each (steady = per-replica
+microbatches - warm of them). So the stage's busy time becomes busy + steady max(0, W - F) with the cut after it, and
+the stage before, which knows the cut between them, adds G >= share (F + B) + 2c + l + busy' + steady' max(0, W - B')
+for the next stage's waits for inputs (the state carries busy', steady', B'). With W under every compute (a GPU, or a
+quiet CPU calibration's tens of microseconds) nothing changes; with the 4 ms a loaded VM's calibration measured, the
+GPT example's estimate went from 18-28 % under the simulation to within 7 % on every cut. gpipe leaves it out.
+A stage's state is (G, R, busy, steady, B); gpipe's carries its two phases instead.
 
 GPipe runs every forward, then every backward: two flow shops of identical jobs, one per direction. The forward phase
 ends with the last stage's last forward, Qf after the first forward starts, and the backward phase takes Qb from
@@ -32,12 +43,13 @@ path forward and back (cuts included) and per the stage's microbatches per repli
 
 which is Σ(F + B) + (M - 1)(max F + max B) on one replica a stage with free links: where the slowest forward and the
 slowest backward sit on different stages, more than any one stage's recursion sees (seed 287600, two stages of two
-replicas at M = 32: 72.3 ms for the simulator's 86.5 before). With equal stages and
-free links this gives the closed forms (M + S - 1)(F + B) of GPipe and 1F1B; with uneven ones it sees the
-bottleneck stage wait for a slower round trip behind it, which DAPPLE's bound max(busy, path + G') misses
-(a GPT cut on two CPU ranks: the bound chose a cut whose simulation ran 16 % longer than it predicted), and a
-stage whose few microbatches in flight cannot cover the round trip through replicated stages behind it (four
-equal layers on 4 V100s cut 1, 1, 2 x 2: the bound said 138 ms, the simulator 197 ms).
+replicas at M = 32: 72.3 ms for the simulator's 86.5 before).
+
+With equal stages and free links the recursion gives the closed forms (M + S - 1)(F + B) of GPipe and 1F1B; with
+uneven ones it sees the bottleneck stage wait for a slower round trip behind it, which DAPPLE's bound
+max(busy, path + G') misses (a GPT cut on two CPU ranks: the bound chose a cut whose simulation ran 16 % longer than it
+predicted), and a stage whose few microbatches in flight cannot cover the round trip through replicated stages behind
+it (four equal layers on 4 V100s cut 1, 1, 2 x 2: the bound said 138 ms, the simulator 197 ms).
 """
 
 from __future__ import annotations
@@ -151,18 +163,25 @@ def stage_step(
     warm: int,
     per_replica: int,
     after: tuple[float, ...] | None,
+    exposed: float = 0.0,
 ) -> tuple[float, ...]:
-    """The state of a stage (see the module docstring): (G, R), gpipe's (G, R, Qf, Qb, Pf, Pb); `busy` its
-    replica's work, `fwd`/`bwd` one microbatch's forward and backward, `cut` the transfer over the cut after it,
-    `late` how much later the next stage's last replica starts (`stagger_s`), `warm` its microbatches in flight,
-    `after` the next stage's state (None: the last stage). A state is no worse than another where it is nowhere
+    """The state of a stage (see the module docstring): (G, R, busy, steady, B) (its work with the waits for
+    gradients in it and its microbatches past the warm-up, for the stage before to add its waits for inputs), gpipe's
+    (G, R, Qf, Qb, Pf, Pb); `busy` its replica's work, `fwd`/`bwd` one microbatch's forward and backward, `cut` the
+    transfer over the cut after it, `late` how much later the next stage's last replica starts (`stagger_s`), `warm`
+    its microbatches in flight, `after` the next stage's state (None: the last stage), `exposed` a message's time over
+    the cut after it from its receive's post (`rendezvous_s`). A state is no worse than another where it is nowhere
     larger (`no_later`)."""
     if schedule == "gpipe":
         return _gpipe_step(fwd, bwd, cut, late, per_replica, after)
     back = bwd * BACK_SHARE.get(schedule, 1.0)
+    # Past the warm-up each gradient's receive is posted before the forward ahead of its backward: that forward hides
+    # it, or the backward waits (the warm-up's first and the drain's are the stall's below).
+    steady = max(0, per_replica - warm)
+    own = busy if exposed <= fwd else busy + steady * (exposed - fwd)
     if after is None:
-        return busy, fwd + back
-    g_next, r_next = after[0], after[1]
+        return own, fwd + back, own, steady, bwd
+    g_next, r_next, busy_next, steady_next, bwd_next = after
     trip = 2 * cut + r_next
     x = max(warm * fwd, fwd + trip)
     stall = x - warm * fwd
@@ -172,8 +191,21 @@ def stage_step(
     # With `warm` microbatches in flight, each takes its forward, its round trip behind and its backward before
     # the next may start: no faster than `warm` of them per F + trip + back.
     loop = per_replica / warm * (fwd + trip + bwd)
-    path = PATH_SHARE.get(schedule, 1.0) * (fwd + bwd) + 2 * cut + late + g_next
-    return max(busy + stall, loop, path), x + back
+    path = PATH_SHARE.get(schedule, 1.0) * (fwd + bwd) + 2 * cut + late
+    g = max(own + stall, loop, path + g_next)
+    if exposed > bwd_next:
+        # Past its warm-up the next stage posts each input's receive before the backward ahead of its forward, which
+        # waits for it.
+        g = max(g, path + busy_next + steady_next * (exposed - bwd_next))
+    return g, x + back, own, steady, bwd
+
+
+def rendezvous_s(cut: float, latency: float) -> float:
+    """A message's time over a cut from its receive's post, where its send came first: the ready notice's way to the
+    sender (a latency), then the transfer (`cut`, its own latency in it); 0 for a cut that carries nothing. Both
+    transports rendezvous (`sim.simulator`), and the runtime posts a receive one compute ahead of the one that needs
+    it (`lowering.early_post_points`), so a stage that is behind waits max(0, this - that compute) for each."""
+    return cut + latency if cut > 0.0 else 0.0
 
 
 def _gpipe_step(
