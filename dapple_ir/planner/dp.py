@@ -37,7 +37,7 @@ from functools import cache
 from operator import itemgetter
 from typing import Any
 
-from dapple_ir.cluster.spec import ClusterSpec
+from dapple_ir.cluster.spec import ClusterSpec, Link
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import (
     Candidate,
@@ -46,6 +46,7 @@ from dapple_ir.planner.cost_model import (
     StageChoice,
     device_order,
     evaluate,
+    message_path,
     stage_rows,
     stage_start,
     stagger_s,
@@ -195,6 +196,7 @@ class _Search:
         self.overheads = cache(self._overheads)
         self.cut_cards = cache(self._cut_cards)
         self.split_cut = cache(self._split_cut)
+        self.message_path = cache(self._message_path)
         self.spans_from = cache(self._spans_from)
         self.suffix = cache(self._suffix)
 
@@ -286,7 +288,7 @@ class _Search:
         """(c, l, its rendezvous) of the cut after layer j - 1 from devices [start, start + r) into `child`: its
         transfer over the links it shares with what crosses at once (`cost_model.cut_transfer`), how late the child's
         last round-robin replica starts (`stagger_s`), and a message's time from a late receive's post
-        (`pricing.pipeline.rendezvous_s`)."""
+        (`cost_model.message_s`)."""
         nxt, nxt_split = child[_REPLICAS], child[_REPLICAS] in self.split_counts
         x = self.problem.cut_bytes[j - 1] * self.cut_scale
         if self.vector or split_here or nxt_split:
@@ -295,9 +297,18 @@ class _Search:
         else:
             # Many cards, neither side split: the one link the placement uses (a leave-out, module docstring).
             one_node = self.node[start] == self.node[child[_START]] == self.node[child[_START] + nxt - 1]
-            link = self.cluster.intra if one_node else self.cluster.inter
-            c, lat = link.transfer_s(x), link.latency
-        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m), rendezvous_s(c, lat)
+            c = (self.cluster.intra if one_node else self.cluster.inter).transfer_s(x)
+        exposed = self.message(start, r, child[_START], nxt, x) if c > 0.0 else 0.0
+        return c, stagger_s(fwd, r, split_here, nxt, nxt_split, self.m), exposed
+
+    def message(self, start: int, r: int, child_start: int, child_r: int, x: float) -> float:
+        """`cost_model.message_s` of the cut from devices [start, start + r) to the child's, `x` bytes."""
+        link, pieces = self.message_path(start, r, child_start, child_r)
+        return rendezvous_s(link.transfer_s(x / pieces), link.latency)
+
+    def _message_path(self, start: int, r: int, child_start: int, child_r: int) -> tuple[Link, int]:
+        a, b = self.order[start : start + r], self.order[child_start : child_start + child_r]
+        return message_path(self.cluster, a, b, (r in self.split_counts, child_r in self.split_counts))
 
     def _spans_from(self, i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
         """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples, each

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_ir.cluster.topology import Network
-from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, stagger_s
+from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, message_path, stagger_s
 from dapple_ir.planner.dp import replica_choices
 from dapple_ir.pricing.collectives import ring_step_ratio
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
@@ -172,7 +172,7 @@ class _Cards:
     cut_cards: dict[tuple, list]  # type: ignore[type-arg]
     """(o, r, r2) -> [(card link, transfers)] (`_cut_cards`)."""
     cut_times: dict[tuple, tuple]  # type: ignore[type-arg]
-    """(o, r, r2) -> (latency, seconds per byte x 2**16) (`_cut_times`)."""
+    """(o, r, r2) -> (latency, seconds per byte x 2**16, the same of a message from a late post) (`_cut_times`)."""
     floored: bool
     """Whether the model holds the card floor (`FLOOR_TERMS`)."""
     most: int
@@ -191,7 +191,7 @@ def _cards(problem: Problem, prices: _Prices, stages: int) -> _Cards:
     network, n_dev, b, unit = problem.network, problem.cluster.num_devices, prices.rows, prices.unit
     # The cut after a stage on devices [o, o + r) into r2 replicas: its transfers on each card.
     cut_cards = _cut_cards(network, prices.choices, prices.microbatches, n_dev) if stages > 1 else {}
-    cut_times = _cut_times(network, prices.choices, n_dev, b, unit) if stages > 1 else {}
+    cut_times = _cut_times(problem, prices.choices, b, unit) if stages > 1 else {}
     # Past a size the card floor is left out (the model would not solve in time); the cost model
     # still counts it when it evaluates the plan found.
     floored = (stages - 1) * sum(len(on) for on in cut_cards.values()) <= FLOOR_TERMS
@@ -434,12 +434,14 @@ class _Model:
         md.add(exposed == 0).only_enforce_if(carries.negated())
         for (o, r), place in self.y[s].items():
             for r2, nxt in nexts.items():
-                lat, coef = cards.cut_times.get((o, r, r2), (0, 0))
+                lat, coef, lat_alone, coef_alone = cards.cut_times.get((o, r, r2), (0, 0, 0, 0))
                 if coef == 0:
                     md.add(c == 0).only_enforce_if([place, nxt])
                     md.add(exposed == 0).only_enforce_if([place, nxt])
                     continue
-                md.add(exposed == c + lat).only_enforce_if([place, nxt, carries])
+                alone = lat_alone * 2**16 + coef_alone * x_s
+                md.add(exposed * 2**16 >= alone).only_enforce_if([place, nxt, carries])
+                md.add(exposed * 2**16 <= alone + 2**16 - 1).only_enforce_if([place, nxt, carries])
                 exact = lat * 2**16 + coef * x_s
                 md.add(c * 2**16 >= exact).only_enforce_if([place, nxt, carries])
                 md.add(c * 2**16 <= exact + 2**16 - 1).only_enforce_if([place, nxt, carries])
@@ -579,16 +581,21 @@ def _cut_cards(network: Network, choices: list[int], microbatches: int, n_dev: i
     return table
 
 
-def _cut_times(network: Network, choices: list[int], n_dev: int, rows: int, unit: float) -> dict[tuple, tuple]:  # type: ignore[type-arg]
-    """(o, r, r2) -> (latency, seconds per byte x 2**16) in `unit`s: one microbatch's cut from devices
-    [o, o + r) to the r2 after them, the transfers that cross at once sharing links (`traffic.cut_s`)."""
+def _cut_times(problem: Problem, choices: list[int], rows: int, unit: float) -> dict[tuple, tuple]:  # type: ignore[type-arg]
+    """(o, r, r2) -> (latency, seconds per byte x 2**16, a message's latency and seconds per byte x 2**16 from a late
+    post) in `unit`s: one microbatch's cut from devices [o, o + r) to the r2 after them, the transfers that cross at
+    once sharing links (`traffic.cut_s`), and one message alone (`cost_model.message_s`)."""
     table = {}
+    n_dev = problem.cluster.num_devices
     for r in choices:
         for o in range(n_dev - r + 1):
             for r2 in choices:
                 if o + r + r2 <= n_dev:
-                    per_byte, latency = cut_s(network, range(o, o + r), range(o + r, o + r + r2), (False, False), rows)
-                    table[(o, r, r2)] = (round(latency / unit), round(per_byte / unit * 2**16))
+                    a, b = range(o, o + r), range(o + r, o + r + r2)
+                    per_byte, latency = cut_s(problem.network, a, b, (False, False), rows)
+                    link, _pieces = message_path(problem.cluster, a, b, (False, False))
+                    alone = (round(2 * link.latency / unit), round(1.0 / link.bandwidth / unit * 2**16))
+                    table[(o, r, r2)] = (round(latency / unit), round(per_byte / unit * 2**16), *alone)
     return table
 
 
