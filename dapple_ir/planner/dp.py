@@ -4,7 +4,8 @@ cost model of `cost_model.evaluate` when the Pareto fronts are not capped.
 The recursion runs from the last stage to the first, one `pricing.pipeline.stage_step` per stage:
 the suffix of layers [i, L) placed from device-order offset d has a Pareto front of (G, H, state, n,
 loads) — pipeline time seen from its first stage, unhidden allreduce and optimizer step, the stage state
-`stage_step` hands on (its first microbatch's round trip R; gpipe's phases), stage count, and the bytes its cuts and
+`stage_step` hands on (its first microbatch's round trip R, its microbatches past the warm-up and its busy time
+with its waits for late receives less their backwards; gpipe's phases), stage count, and the bytes its cuts and
 allreduces push through each network card. G, H, the state and every card's load grow monotonically with the
 suffix's, so the front is all a predecessor needs; exact fronts keep stage counts apart (more stages after a stage
 let it run more forwards before its first backward). The card floor is the busiest card's load over its bandwidth.
@@ -12,7 +13,8 @@ The cut before the suffix adds to the cards of the suffix's first stage, so with
 by where that stage lies. Every price comes from `pricing` as
 `evaluate` reads it: compute at the stage's rows, the host's work per instruction and message,
 zb-h1's split backward, each parameter once, the ring allreduce with the hosts' reduction, the
-optimizer step, and each cut over the links it shares.
+optimizer step, each cut over the links it shares, and a late receive's message alone on its link
+(`cost_model.message_s`).
 
 What the DP leaves out, all re-priced by `evaluate` for the plan it returns: sharded optimizer state (ZeRO-1:
 its plans shard nothing; `planner.zero` adds the sharded twins, as replication variants are added), the

@@ -21,16 +21,19 @@ input gradient back after its input pass, but a stage runs that microbatch's wei
 Priced with l in every round trip and the loop at the input pass, 1f1b and zb-h1 with one replica feeding two were up
 to 18 % over and 22 % under the simulation.
 
-A message whose receive is posted after its send takes W = c + latency from the post (`rendezvous_s`: the ready
-notice goes back first), and the runtime posts a receive one compute ahead of the one that needs it. Past its
+A message whose receive is posted after its send takes W from the post: a latency for the ready notice to go back,
+then the message's own transfer, alone on the slowest link it crosses (`rendezvous_s`, `cost_model.message_s`: a
+receiver has about one message in flight, so not the cut's c, which prices R replicas' microbatches side by side).
+The runtime posts a receive one compute ahead of the one that needs it. Past its
 warm-up a stage posts each gradient's receive before the forward ahead of that backward, and each input's before the
 backward ahead of that forward; a stage that is behind waits W - F, or W - B, for each (steady = per-replica
 microbatches - warm of them). So the stage's busy time becomes busy + steady max(0, W - F) with the cut after it, and
 the stage before, which knows the cut between them, adds G >= share (F + B) + 2c + l + busy' + steady' max(0, W - B')
-for the next stage's waits for inputs (the state carries busy', steady', B'). With W under every compute (a GPU, or a
+for the next stage's waits for inputs (the state carries steady' and busy' - steady' B', which that price grows with,
+so the DP's fronts stay exact). With W under every compute (a GPU, or a
 quiet CPU calibration's tens of microseconds) nothing changes; with the 4 ms a loaded VM's calibration measured, the
 GPT example's estimate went from 18-28 % under the simulation to within 7 % on every cut. gpipe leaves it out.
-A stage's state is (G, R, busy, steady, B); gpipe's carries its two phases instead.
+A stage's state is (G, R, steady, busy - steady B); gpipe's carries its two phases instead.
 
 GPipe runs every forward, then every backward: two flow shops of identical jobs, one per direction. The forward phase
 ends with the last stage's last forward, Qf after the first forward starts, and the backward phase takes Qb from
@@ -165,13 +168,13 @@ def stage_step(
     after: tuple[float, ...] | None,
     exposed: float = 0.0,
 ) -> tuple[float, ...]:
-    """The state of a stage (see the module docstring): (G, R, busy, steady, B) (its work with the waits for
-    gradients in it and its microbatches past the warm-up, for the stage before to add its waits for inputs), gpipe's
-    (G, R, Qf, Qb, Pf, Pb); `busy` its replica's work, `fwd`/`bwd` one microbatch's forward and backward, `cut` the
-    transfer over the cut after it, `late` how much later the next stage's last replica starts (`stagger_s`), `warm`
-    its microbatches in flight, `after` the next stage's state (None: the last stage), `exposed` a message's time over
-    the cut after it from its receive's post (`rendezvous_s`). A state is no worse than another where it is nowhere
-    larger (`no_later`)."""
+    """The state of a stage (see the module docstring): (G, R, steady, busy - steady B) (its microbatches past the
+    warm-up, and its work with its waits for gradients less their backwards: for the stage before to add its waits for
+    inputs), gpipe's (G, R, Qf, Qb, Pf, Pb); `busy` its replica's work, `fwd`/`bwd` one microbatch's forward and
+    backward, `cut` the transfer over the cut after it, `late` how much later the next stage's last replica starts
+    (`stagger_s`), `warm` its microbatches in flight, `after` the next stage's state (None: the last stage), `exposed`
+    a message's time over the cut after it from its receive's post (`rendezvous_s`). A state is no worse than another
+    where it is nowhere larger (`no_later`)."""
     if schedule == "gpipe":
         return _gpipe_step(fwd, bwd, cut, late, per_replica, after)
     back = bwd * BACK_SHARE.get(schedule, 1.0)
@@ -180,29 +183,30 @@ def stage_step(
     steady = max(0, per_replica - warm)
     own = busy if exposed <= fwd else busy + steady * (exposed - fwd)
     if after is None:
-        return own, fwd + back, own, steady, bwd
-    g_next, r_next, busy_next, steady_next, bwd_next = after
+        return own, fwd + back, steady, own - steady * bwd
+    g_next, r_next, steady_next, unhidden_next = after
     trip = 2 * cut + r_next
     x = max(warm * fwd, fwd + trip)
     stall = x - warm * fwd
     if schedule != "zb-h1" and per_replica > warm:
         # zb-h1 fills this wait with the weight passes it deferred.
         stall += max(0.0, trip - (warm - 1) * back)
-    # With `warm` microbatches in flight, each takes its forward, its round trip behind and its backward before
-    # the next may start: no faster than `warm` of them per F + trip + back.
+    # With `warm` microbatches in flight, each takes its forward, its round trip behind and its whole backward (zb-h1's
+    # weight pass too) before the next may start: no faster than `warm` of them per F + trip + B.
     loop = per_replica / warm * (fwd + trip + bwd)
     path = PATH_SHARE.get(schedule, 1.0) * (fwd + bwd) + 2 * cut + late
     g = max(own + stall, loop, path + g_next)
-    if exposed > bwd_next:
+    if steady_next and exposed > 0.0:
         # Past its warm-up the next stage posts each input's receive before the backward ahead of its forward, which
-        # waits for it.
-        g = max(g, path + busy_next + steady_next * (exposed - bwd_next))
-    return g, x + back, own, steady, bwd
+        # waits for it where W > B': busy' + steady' (W - B'), written with unhidden' = busy' - steady' B' so that the
+        # state grows with the price (below busy' + path <= G where W <= B').
+        g = max(g, path + unhidden_next + steady_next * exposed)
+    return g, x + back, steady, own - steady * bwd
 
 
 def rendezvous_s(cut: float, latency: float) -> float:
     """A message's time over a cut from its receive's post, where its send came first: the ready notice's way to the
-    sender (a latency), then the transfer (`cut`, its own latency in it); 0 for a cut that carries nothing. Both
+    sender (a latency), then the message's transfer (`cut`, its own latency in it); 0 for a message of no bytes. Both
     transports rendezvous (`sim.simulator`), and the runtime posts a receive one compute ahead of the one that needs
     it (`lowering.early_post_points`), so a stage that is behind waits max(0, this - that compute) for each."""
     return cut + latency if cut > 0.0 else 0.0
