@@ -303,15 +303,18 @@ def message_s(
     receiver posts one compute ahead, so it has about one message in flight; `c` prices the replicas' microbatches
     side by side, which a stage feeding one replica from fifteen never sends (VGG-19 on 2x8xV100 at 15, 1 replicas:
     W shared 3x the simulation)."""
-    link, pieces = message_path(cluster, a, b, split)
-    return rendezvous_s(link.transfer_s(nbytes / pieces), link.latency)
+    fixed, per_byte = message_terms(cluster, a, b, split)
+    return fixed + nbytes * per_byte if nbytes > 0 else 0.0
 
 
-def message_path(
+def message_terms(
     cluster: ClusterSpec, a: Sequence[int], b: Sequence[int], split: tuple[bool, bool]
-) -> tuple[Link, int]:
-    """The link `message_s` prices a message on, and the pieces a microbatch crosses the cut in."""
-    return cut_link(cluster, tuple(a), tuple(b)), max(len(a) if split[0] else 1, len(b) if split[1] else 1)
+) -> tuple[float, float]:
+    """`message_s` as (seconds, seconds per byte of the microbatch), for the solvers: `rendezvous_s` of the slowest
+    link a microbatch crosses (`cut_link`), a split side's piece of the bytes on it."""
+    link = cut_link(cluster, tuple(a), tuple(b))
+    pieces = max(len(a) if split[0] else 1, len(b) if split[1] else 1)
+    return rendezvous_s(link.latency, link.latency), 1.0 / (link.bandwidth * pieces)
 
 
 def cut_link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> Link:

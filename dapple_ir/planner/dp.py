@@ -39,7 +39,7 @@ from functools import cache
 from operator import itemgetter
 from typing import Any
 
-from dapple_ir.cluster.spec import ClusterSpec, Link
+from dapple_ir.cluster.spec import ClusterSpec
 from dapple_ir.errors import PlanError
 from dapple_ir.planner.cost_model import (
     Candidate,
@@ -48,14 +48,14 @@ from dapple_ir.planner.cost_model import (
     StageChoice,
     device_order,
     evaluate,
-    message_path,
+    message_terms,
     stage_rows,
     stage_start,
     stagger_s,
 )
 from dapple_ir.pricing.collectives import ring_step_bytes
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
-from dapple_ir.pricing.pipeline import in_flight, no_later, raises_warmup, rendezvous_s, stage_step
+from dapple_ir.pricing.pipeline import in_flight, no_later, raises_warmup, stage_step
 from dapple_ir.pricing.traffic import cut_crossings, cut_s
 
 #: Card links (two per card) up to which the DP carries every card's load, exact for the card floor:
@@ -198,7 +198,7 @@ class _Search:
         self.overheads = cache(self._overheads)
         self.cut_cards = cache(self._cut_cards)
         self.split_cut = cache(self._split_cut)
-        self.message_path = cache(self._message_path)
+        self.message_terms = cache(self._message_terms)
         self.spans_from = cache(self._spans_from)
         self.suffix = cache(self._suffix)
 
@@ -305,12 +305,12 @@ class _Search:
 
     def message(self, start: int, r: int, child_start: int, child_r: int, x: float) -> float:
         """`cost_model.message_s` of the cut from devices [start, start + r) to the child's, `x` bytes."""
-        link, pieces = self.message_path(start, r, child_start, child_r)
-        return rendezvous_s(link.transfer_s(x / pieces), link.latency)
+        fixed, per_byte = self.message_terms(start, r, child_start, child_r)
+        return fixed + x * per_byte if x > 0 else 0.0
 
-    def _message_path(self, start: int, r: int, child_start: int, child_r: int) -> tuple[Link, int]:
+    def _message_terms(self, start: int, r: int, child_start: int, child_r: int) -> tuple[float, float]:
         a, b = self.order[start : start + r], self.order[child_start : child_start + child_r]
-        return message_path(self.cluster, a, b, (r in self.split_counts, child_r in self.split_counts))
+        return message_terms(self.cluster, a, b, (r in self.split_counts, child_r in self.split_counts))
 
     def _spans_from(self, i: int, rows: int) -> list[tuple[float, float, float, float, float]]:
         """(F, B, static, activations, gradients) of layers [i, j) for each j, times at `rows` samples, each

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_ir.cluster.topology import Network
-from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, message_path, stagger_s
+from dapple_ir.planner.cost_model import Candidate, Estimate, Problem, candidate, evaluate, message_terms, stagger_s
 from dapple_ir.planner.dp import replica_choices
 from dapple_ir.pricing.collectives import ring_step_ratio
 from dapple_ir.pricing.host import host_work_s, optimizer_step_s
@@ -92,9 +92,11 @@ def solve_ilp(
     model = _Model(problem, stages, _prices(problem, microbatches, schedule), schedule)
     if hint is not None and len(hint.stages) == stages:
         model.hint(hint)
+    started = time.monotonic()
     solver, status, presolved = _solve(model.md, time_limit_s)
     if status == cp_model.OPTIMAL:
-        solver, status = _confirm(model, solver, not presolved, time_limit_s)
+        left = time_limit_s - (time.monotonic() - started)
+        solver, status = _confirm(model, solver, not presolved, left)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return model.solution(solver, status == cp_model.OPTIMAL)
@@ -527,7 +529,7 @@ def _confirm(
 ) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
     """An optimum `solver` proved, asked again of the mode that did not prove it (`presolve`, `_solve`): is any plan
     strictly faster? None (infeasible): the optimum stands. One: the new search's answer replaces it, proven where that
-    search finished. No answer in the time limit: the plan stands, unproven."""
+    search finished. No answer in what is left of the time limit: the plan stands, unproven."""
     from ortools.sat.python import cp_model
 
     model.md.add(model.t <= round(solver.objective_value) - 1)
@@ -593,9 +595,13 @@ def _cut_times(problem: Problem, choices: list[int], rows: int, unit: float) -> 
                 if o + r + r2 <= n_dev:
                     a, b = range(o, o + r), range(o + r, o + r + r2)
                     per_byte, latency = cut_s(problem.network, a, b, (False, False), rows)
-                    link, _pieces = message_path(problem.cluster, a, b, (False, False))
-                    alone = (round(2 * link.latency / unit), round(1.0 / link.bandwidth / unit * 2**16))
-                    table[(o, r, r2)] = (round(latency / unit), round(per_byte / unit * 2**16), *alone)
+                    fixed, alone = message_terms(problem.cluster, a, b, (False, False))
+                    table[(o, r, r2)] = (
+                        round(latency / unit),
+                        round(per_byte / unit * 2**16),
+                        round(fixed / unit),
+                        round(alone / unit * 2**16),
+                    )
     return table
 
 
